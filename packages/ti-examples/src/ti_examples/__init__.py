@@ -1,0 +1,1 @@
+"""ti_examples."""

@@ -1,0 +1,134 @@
+"""The Arrow schemas of the contract: ``ti.history`` and ``ti.histograms`` (DESIGN §3)."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from typing import Final
+
+import pyarrow as pa
+
+from ti_schema.version import SCHEMA_VERSION
+
+METADATA_KEY: Final[bytes] = b"ti"
+"""The single schema-metadata key; its value is JSON ``{schema, schema_version, producer}``."""
+
+HISTORY: Final[str] = "ti.history"
+HISTOGRAMS: Final[str] = "ti.histograms"
+
+# (name, type, nullable, one-line doc). The identity columns are shared by both schemas.
+_IDENTITY: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
+    ("run_id", pa.string(), False, "one id per inject_observer call"),
+    ("rank", pa.int32(), False, "global rank of the writing process; 0 when not distributed"),
+    ("sample_id", pa.int64(), False, "0-based counter of sampled root forwards in this run"),
+    (
+        "forward_index",
+        pa.int64(),
+        False,
+        "0-based index of the sampled root forward among all root forwards",
+    ),
+    (
+        "timestamp",
+        pa.timestamp("us", tz="UTC"),
+        False,
+        "when the tensor was observed: forward time for outputs, backward time for gradients",
+    ),
+    ("layer", pa.string(), False, "qualified name from named_modules(); '' is the root"),
+    ("module_type", pa.string(), False, "class name of the module"),
+    (
+        "call_index",
+        pa.int32(),
+        False,
+        "0-based order of this module's calls within the sample (shared modules)",
+    ),
+    ("signal", pa.string(), False, "'output' or 'output_gradient'"),
+    (
+        "tensor_path",
+        pa.string(),
+        False,
+        "position of the tensor in the output pytree: '' for a bare tensor, else e.g. [0]",
+    ),
+    ("mode", pa.string(), False, "'train' or 'eval': the module's own training flag at the call"),
+    (
+        "grad_enabled",
+        pa.bool_(),
+        False,
+        "torch.is_grad_enabled() at the call; gradients inherit their forward's context",
+    ),
+    ("shape", pa.list_(pa.int64()), False, "tensor shape"),
+    ("dtype", pa.string(), False, "torch dtype name without prefix, e.g. float32"),
+)
+
+_HISTORY_VALUES: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
+    ("metric", pa.string(), False, "metric name, e.g. mean, p50, zero_fraction"),
+    ("value", pa.float64(), True, "the measurement; null exactly when unavailable"),
+    (
+        "unavailable_reason",
+        pa.string(),
+        True,
+        "why value is null; null exactly when value is not",
+    ),
+)
+
+_HISTOGRAM_VALUES: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
+    (
+        "bucket_limits",
+        pa.list_(pa.float64()),
+        False,
+        "right edge of each bucket, ascending (TensorBoard's bucket_limit)",
+    ),
+    ("bucket_counts", pa.list_(pa.int64()), False, "finite entries in each bucket"),
+    ("min", pa.float64(), True, "smallest finite entry; null when there is none"),
+    ("max", pa.float64(), True, "largest finite entry; null when there is none"),
+    ("num", pa.int64(), False, "number of finite entries"),
+    ("sum", pa.float64(), False, "sum of the finite entries"),
+    ("sum_squares", pa.float64(), False, "sum of squares of the finite entries"),
+    ("nonfinite_count", pa.int64(), False, "NaN and infinite entries left out of the buckets"),
+)
+
+DICTIONARY_COLUMNS: Final[frozenset[str]] = frozenset(
+    {"layer", "module_type", "signal", "mode", "dtype", "metric"}
+)
+"""String columns that may be dictionary-encoded; readers accept both encodings."""
+
+
+def default_producer() -> str:
+    """``"<distribution> <version>"`` of this package, used when a producer names none."""
+    try:
+        return f"ti-schema {metadata.version('ti-schema')}"
+    except metadata.PackageNotFoundError:  # pragma: no cover - source tree without install
+        return "ti-schema unknown"
+
+
+def schema_metadata(schema_name: str, producer: str | None = None) -> dict[bytes, bytes]:
+    """The ``ti`` schema-metadata entry for ``schema_name`` written by ``producer``."""
+    doc = {
+        "schema": schema_name,
+        "schema_version": SCHEMA_VERSION,
+        "producer": producer or default_producer(),
+    }
+    return {METADATA_KEY: json.dumps(doc, separators=(",", ":")).encode()}
+
+
+def _build(
+    name: str, columns: tuple[tuple[str, pa.DataType, bool, str], ...], producer: str | None
+) -> pa.Schema:
+    fields = [
+        pa.field(col, typ, nullable=nullable, metadata={b"doc": doc.encode()})
+        for col, typ, nullable, doc in columns
+    ]
+    return pa.schema(fields, metadata=schema_metadata(name, producer))
+
+
+def history_schema(producer: str | None = None) -> pa.Schema:
+    """The ``ti.history`` schema: one row per scalar measurement (DESIGN §3.1)."""
+    return _build(HISTORY, _IDENTITY + _HISTORY_VALUES, producer)
+
+
+def histogram_schema(producer: str | None = None) -> pa.Schema:
+    """The ``ti.histograms`` schema: one row per histogram of a focus-layer tensor."""
+    return _build(HISTOGRAMS, _IDENTITY + _HISTOGRAM_VALUES, producer)
+
+
+IDENTITY_COLUMNS: Final[tuple[str, ...]] = tuple(c[0] for c in _IDENTITY)
+"""Columns that identify one measured tensor, shared by both schemas."""
