@@ -1,1 +1,35 @@
-"""ti_core."""
+"""ti-core: passive PyTorch telemetry (capture, sampling, reduction) delivering records to sinks."""
+
+from __future__ import annotations
+
+from ti_core.api import has_observer, inject_observer, observe, remove_observer
+from ti_core.errors import MissingProviderError, ObserverAlreadyAttachedError, TelemetryWarning
+from ti_core.memory_sink import MemorySink
+from ti_core.ranks import RankPolicy, RankSelection
+from ti_core.reducers import Reducer, default_reducers
+from ti_core.sampling import AlwaysSampler, EveryNForwardsSampler, Sampler, TimedSampler
+from ti_core.selection import leaf_modules
+from ti_core.sink import LayerInfo, RunInfo, Sink
+
+__all__ = [
+    "AlwaysSampler",
+    "EveryNForwardsSampler",
+    "LayerInfo",
+    "MemorySink",
+    "MissingProviderError",
+    "ObserverAlreadyAttachedError",
+    "RankPolicy",
+    "RankSelection",
+    "Reducer",
+    "RunInfo",
+    "Sampler",
+    "Sink",
+    "TelemetryWarning",
+    "TimedSampler",
+    "default_reducers",
+    "has_observer",
+    "inject_observer",
+    "leaf_modules",
+    "observe",
+    "remove_observer",
+]

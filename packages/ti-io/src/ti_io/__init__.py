@@ -1,1 +1,30 @@
-"""ti_io."""
+"""ti-io: the artifacts of an observed run.
+
+``DirectorySink`` writes live Parquet parts, ``history.parquet``, ``histograms.parquet``,
+``result.json``, ``index.md`` and TensorBoard events; ``TensorBoardSink`` adds the histograms
+to a caller-owned TensorBoard writer; ``scan_history`` and ``consolidate`` read and finish runs.
+``inject_observer(model, output_dir=...)`` finds ``DirectorySink`` through the ``ti.sinks``
+entry point, so ti-core never imports this package.
+"""
+
+from __future__ import annotations
+
+from ti_io.config import HistoryConfig
+from ti_io.consolidate import Consolidated, consolidate
+from ti_io.directory_sink import DirectorySink
+from ti_io.errors import ArtifactWriteError, NothingToConsolidateError
+from ti_io.readers import scan_history
+from ti_io.tags import histogram_tag
+from ti_io.tensorboard_sink import TensorBoardSink
+
+__all__ = [
+    "ArtifactWriteError",
+    "Consolidated",
+    "DirectorySink",
+    "HistoryConfig",
+    "NothingToConsolidateError",
+    "TensorBoardSink",
+    "consolidate",
+    "histogram_tag",
+    "scan_history",
+]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from ti_schema.compat import KNOWN_VERSIONS, check_compatible, parse_metadata, parse_version
+from ti_schema.errors import MISMATCH_KINDS, Mismatch, SchemaMismatchError
+from ti_schema.interop import footer_metadata, large_types, polars_write_options
 from ti_schema.names import (
     DEFAULT_METRICS,
     FINITE_METRICS,
@@ -10,6 +13,7 @@ from ti_schema.names import (
     MODES,
     SIGNALS,
 )
+from ti_schema.result_json import RESULT_JSON_SCHEMA, validate_result_json
 from ti_schema.schemas import (
     DICTIONARY_COLUMNS,
     HISTOGRAMS,
@@ -20,6 +24,7 @@ from ti_schema.schemas import (
     history_schema,
     schema_metadata,
 )
+from ti_schema.validate import type_matches, validate_histograms, validate_history
 from ti_schema.version import SCHEMA_VERSION
 
 __all__ = [
@@ -30,12 +35,27 @@ __all__ = [
     "HISTOGRAMS",
     "HISTORY",
     "IDENTITY_COLUMNS",
+    "KNOWN_VERSIONS",
     "METADATA_KEY",
     "METRIC_DEFINITIONS",
+    "MISMATCH_KINDS",
     "MODES",
+    "RESULT_JSON_SCHEMA",
     "SCHEMA_VERSION",
     "SIGNALS",
+    "Mismatch",
+    "SchemaMismatchError",
+    "check_compatible",
+    "footer_metadata",
     "histogram_schema",
     "history_schema",
+    "large_types",
+    "parse_metadata",
+    "parse_version",
+    "polars_write_options",
     "schema_metadata",
+    "type_matches",
+    "validate_histograms",
+    "validate_history",
+    "validate_result_json",
 ]

@@ -46,7 +46,8 @@ _IDENTITY: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
         "tensor_path",
         pa.string(),
         False,
-        "position of the tensor in the output pytree: '' for a bare tensor, else e.g. [0]",
+        "position of the tensor in the output pytree: '' for a bare tensor, else e.g. [0]"
+        " or ['logits']",
     ),
     ("mode", pa.string(), False, "'train' or 'eval': the module's own training flag at the call"),
     (

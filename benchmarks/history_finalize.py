@@ -1,0 +1,137 @@
+"""Finalization cost of a long history: the `history` workload of the benchmarks.
+
+Builds a synthetic run of ``rows`` history rows (50 layers x 2 signals x 9 default metrics per
+sample, so 900 rows per sample) through a real ``DirectorySink`` (published as parts by its
+writer thread, untimed), then times ``close()``: the last part, streaming every part into
+history.parquet and histograms.parquet, result.json from Polars lazy aggregations, index.md
+and removing the parts. Peak RSS growth during ``close()`` is sampled by a thread.
+
+    python benchmarks/history_finalize.py [--rows 900000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pyarrow as pa
+from ti_core.sink import LayerInfo, RunInfo
+from ti_schema import DEFAULT_METRICS, history_schema
+
+from ti_io import DirectorySink, HistoryConfig
+
+LAYERS = 50
+SIGNALS = ("output", "output_gradient")
+PRODUCER = "ti-io benchmark"
+
+
+def _run_info(layers: list[str]) -> RunInfo:
+    return RunInfo(
+        run_id="bench",
+        rank=0,
+        world_size=1,
+        producer=PRODUCER,
+        started_at=datetime(2026, 1, 1, tzinfo=UTC),
+        layers=tuple(LayerInfo(name, "Linear") for name in layers),
+        focus_layers=(),
+        metrics=DEFAULT_METRICS,
+        sampler="AlwaysSampler()",
+    )
+
+
+def _sample_batch(sample: int, layers: list[str], rng: np.random.Generator) -> pa.RecordBatch:
+    tensors = [(layer, signal) for signal in SIGNALS for layer in layers]
+    n = len(tensors) * len(DEFAULT_METRICS)
+    layer_col = [t[0] for t in tensors for _ in DEFAULT_METRICS]
+    signal_col = [t[1] for t in tensors for _ in DEFAULT_METRICS]
+    ts = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(milliseconds=sample)
+    arrays = {
+        "run_id": pa.array(["bench"] * n),
+        "rank": pa.array(np.zeros(n, np.int32)),
+        "sample_id": pa.array(np.full(n, sample, np.int64)),
+        "forward_index": pa.array(np.full(n, sample, np.int64)),
+        "timestamp": pa.array([ts] * n, pa.timestamp("us", tz="UTC")),
+        "layer": pa.array(layer_col),
+        "module_type": pa.array(["Linear"] * n),
+        "call_index": pa.array(np.zeros(n, np.int32)),
+        "signal": pa.array(signal_col),
+        "tensor_path": pa.array([""] * n),
+        "mode": pa.array(["train"] * n),
+        "grad_enabled": pa.array(np.ones(n, bool)),
+        "shape": pa.array([[32, 128]] * n, pa.list_(pa.int64())),
+        "dtype": pa.array(["float32"] * n),
+        "metric": pa.array(list(DEFAULT_METRICS) * len(tensors)),
+        "value": pa.array(rng.normal(size=n)),
+        "unavailable_reason": pa.array([None] * n, pa.string()),
+    }
+    return pa.RecordBatch.from_arrays(list(arrays.values()), schema=history_schema(PRODUCER))
+
+
+def run(rows: int = 900_000, *, directory: str | None = None) -> dict[str, Any]:
+    """Finalize a synthetic ``rows``-row history; returns seconds, peak RSS growth and counts."""
+    layers = [f"blocks.{i}.proj" for i in range(LAYERS)]
+    per_sample = LAYERS * len(SIGNALS) * len(DEFAULT_METRICS)
+    samples = -(-rows // per_sample)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        out = Path(tmp) / "stats"
+        sink = DirectorySink(out, history_config=HistoryConfig())
+        sink.open(_run_info(layers))
+        written = 0
+        for sample in range(samples):
+            batch = _sample_batch(sample, layers, rng)
+            if written + batch.num_rows > rows:
+                batch = batch.slice(0, rows - written)
+            sink.write_history(batch)
+            written += batch.num_rows
+        process = psutil.Process()
+        time.sleep(0.5)  # let the writer publish what it holds, so close() is measured alone
+        baseline = process.memory_info().rss
+        peak = baseline
+        done = threading.Event()
+
+        def sample_rss() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, process.memory_info().rss)
+                time.sleep(0.005)
+
+        sampler = threading.Thread(target=sample_rss, daemon=True)
+        sampler.start()
+        start = time.perf_counter()
+        sink.close()
+        seconds = time.perf_counter() - start
+        done.set()
+        sampler.join()
+        peak = max(peak, process.memory_info().rss)
+        history_bytes = (out / "history.parquet").stat().st_size
+        result_bytes = (out / "result.json").stat().st_size
+    return {
+        "workload": "history",
+        "rows": written,
+        "samples": samples,
+        "finalize_s": round(seconds, 3),
+        "peak_rss_growth_mb": round((peak - baseline) / 2**20, 1),
+        "baseline_rss_mb": round(baseline / 2**20, 1),
+        "history_parquet_mb": round(history_bytes / 2**20, 2),
+        "result_json_kb": round(result_bytes / 2**10, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=900_000)
+    args = parser.parse_args()
+    print(json.dumps(run(args.rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""``inject_observer`` / ``remove_observer`` / ``has_observer`` / ``observe``.
+
+Everything is validated before the model is touched or a sink is opened, so a bad argument (or a
+sink that refuses to open) leaves the model exactly as it was.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from importlib import metadata
+from os import PathLike
+from typing import Any
+
+import pyarrow as pa
+from torch import nn
+from ti_schema import histogram_schema, history_schema
+
+from ti_core import resolve
+from ti_core.errors import ErrorPolicy, ObserverAlreadyAttachedError
+from ti_core.observer import ATTRIBUTE, Observer
+from ti_core.ranks import RankPolicy
+from ti_core.records import RunColumns
+from ti_core.reducers import Reducer, ReductionPlan, default_reducers
+from ti_core.sampling import (
+    DEFAULT_INTERVAL,
+    Sampler,
+    TimedSampler,
+    interval_seconds,
+)
+from ti_core.selection import Selector, select_modules, unwrap_compiled
+from ti_core.sink import RunInfo, Sink
+
+DEFAULT_OUTPUT_DIR = "stats"
+
+
+def _producer() -> str:
+    try:
+        return f"ti-core {metadata.version('ti-core')}"
+    except metadata.PackageNotFoundError:  # pragma: no cover - source tree without install
+        return "ti-core unknown"
+
+
+def has_observer(model: nn.Module) -> bool:
+    """True when ``model`` has an attached observer."""
+    return isinstance(getattr(model, "__dict__", {}).get(ATTRIBUTE), Observer)
+
+
+def _check_sink(candidate: object, where: str) -> Sink:
+    if not isinstance(candidate, Sink):
+        raise TypeError(
+            f"{where} must implement the Sink protocol (open, write_history, write_histograms, "
+            f"close), got {candidate!r}; e.g. sink=MemorySink()"
+        )
+    return candidate
+
+
+def _resolve_sinks(
+    output_dir: str | PathLike[str] | None, sink: Sink | Sequence[Sink] | None
+) -> list[Sink]:
+    given: list[Sink] = []
+    if sink is not None:
+        if isinstance(sink, Sink):
+            given = [sink]
+        elif isinstance(sink, Sequence) and not isinstance(sink, str | bytes):
+            given = [_check_sink(s, f"sink[{i}]") for i, s in enumerate(sink)]
+            if not given:
+                raise ValueError("sink= is an empty sequence; pass at least one Sink or None")
+            if len({id(s) for s in given}) != len(given):
+                raise ValueError("sink= lists the same sink object twice")
+        else:
+            _check_sink(sink, "sink=")
+    if output_dir is None and sink is None:
+        output_dir = DEFAULT_OUTPUT_DIR
+    if output_dir is None:
+        return given
+    if not isinstance(output_dir, str | PathLike):
+        raise TypeError(f"output_dir= must be a path (str or os.PathLike), got {output_dir!r}")
+    factory = resolve.directory_sink_factory()
+    if factory is None:
+        raise resolve.missing_directory_sink()
+    if isinstance(factory, type) and any(isinstance(s, factory) for s in given):
+        raise ValueError(
+            f"output_dir={str(output_dir)!r} and a {factory.__name__} in sink= both name a "
+            "directory: pass the directory once, either output_dir= or sink=, not both"
+        )
+    return [_check_sink(factory(output_dir), f"the directory sink for output_dir={output_dir!r}"), *given]
+
+
+def _resolve_sampler(sampler: Sampler | None, interval: timedelta | float) -> Sampler:
+    if sampler is None:
+        return TimedSampler(interval)
+    if interval is not DEFAULT_INTERVAL:
+        raise ValueError(
+            "sampler= and interval= were both given; interval= only configures the default "
+            "TimedSampler: pass sampler=TimedSampler(interval) or interval= alone"
+        )
+    if not callable(getattr(sampler, "should_sample", None)):
+        raise TypeError(
+            f"sampler= must have should_sample(forward_index) -> bool (e.g. AlwaysSampler(), "
+            f"EveryNForwardsSampler(n), TimedSampler(interval)), got {sampler!r}"
+        )
+    return sampler
+
+
+def _layer_array(values: Sequence[str]) -> pa.Array:
+    return pa.array(list(values), pa.string())
+
+
+def inject_observer(
+    model: nn.Module,
+    *,
+    output_dir: str | PathLike[str] | None = None,
+    sink: Sink | Sequence[Sink] | None = None,
+    sampler: Sampler | None = None,
+    interval: timedelta | float = DEFAULT_INTERVAL,
+    selector: Selector | None = None,
+    reducers: Sequence[Reducer] | None = None,
+    histogram_selector: Selector | Collection[str] | None = None,
+    max_histogram_modules: int = 8,
+    rank_policy: str | RankPolicy = "rank0",
+    error_policy: str = "warn",
+    capture_direct_forwards: bool = False,
+) -> None:
+    """Attach an observer that records selected modules' outputs and output gradients.
+
+    Sampling is decided per root forward (``sampler``; default ``TimedSampler(interval)``).
+    Records go to ``sink`` (one or several) and/or to the directory sink of ti-io for
+    ``output_dir``; with neither, ``output_dir="stats"``. Raises before touching the model on bad
+    input; ``ObserverAlreadyAttachedError`` if one is attached already. When the rank policy
+    says this process does not observe, nothing is attached and ``has_observer`` stays False.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module "
+            "itself (for a Lightning or HF wrapper, its nn.Module)"
+        )
+    if has_observer(model):
+        raise ObserverAlreadyAttachedError(
+            f"{type(model).__name__} already has an observer; call remove_observer(model) first"
+        )
+    errors = ErrorPolicy(error_policy) if isinstance(error_policy, str) else None
+    if errors is None:
+        raise TypeError(f"error_policy= must be 'warn', 'ignore' or 'raise', got {error_policy!r}")
+    if not isinstance(capture_direct_forwards, bool):
+        raise TypeError(f"capture_direct_forwards= must be a bool, got {capture_direct_forwards!r}")
+    if isinstance(max_histogram_modules, bool) or not isinstance(max_histogram_modules, int):
+        raise TypeError(f"max_histogram_modules= must be an int >= 0, got {max_histogram_modules!r}")
+    if max_histogram_modules < 0:
+        raise ValueError(
+            f"max_histogram_modules={max_histogram_modules} must be >= 0 (0 turns histograms off)"
+        )
+    if sampler is None:
+        interval_seconds(interval)
+    chosen_sampler = _resolve_sampler(sampler, interval)
+    policy = resolve.rank_policy(rank_policy)
+    target = unwrap_compiled(model)
+    selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
+    plan = ReductionPlan(default_reducers() if reducers is None else list(reducers))
+    sinks = _resolve_sinks(output_dir, sink)
+    ranks = resolve.select_rank(policy)
+    if not ranks.observe:
+        return
+
+    producer = _producer()
+    metrics = tuple(plan.metric_names)
+    run = RunInfo(
+        run_id=uuid.uuid4().hex,
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        producer=producer,
+        started_at=datetime.now(UTC),
+        layers=selection.layers,
+        focus_layers=tuple(selection.layers[i].name for i in selection.focus),
+        metrics=metrics,
+        sampler=repr(chosen_sampler),
+        rank_subdir=ranks.subdir,
+        settings={
+            "error_policy": errors.name,
+            "capture_direct_forwards": str(capture_direct_forwards).lower(),
+            "max_histogram_modules": str(max_histogram_modules),
+            "selector": repr(selector) if selector is not None else "leaf_modules()",
+            "rank_policy": repr(rank_policy),
+        },
+    )
+    columns = RunColumns(
+        history_schema=history_schema(producer),
+        histogram_schema=histogram_schema(producer),
+        run_id=run.run_id,
+        rank=run.rank,
+        layer_names=_layer_array([layer.name for layer in selection.layers]),
+        module_types=_layer_array([layer.module_type for layer in selection.layers]),
+        metric_names=_layer_array(metrics),
+    )
+    opened: list[Sink] = []
+    try:
+        for s in sinks:
+            s.open(run)
+            opened.append(s)
+    except BaseException:
+        for s in reversed(opened):
+            try:
+                s.close()
+            except Exception:  # the open failure is the error worth reporting
+                pass
+        raise
+    reset = getattr(chosen_sampler, "reset", None)
+    if callable(reset):
+        reset()
+    observer = Observer(
+        root=model,
+        modules=selection.modules,
+        focus=selection.focus,
+        run=run,
+        sinks=sinks,
+        sampler=chosen_sampler,
+        plan=plan,
+        errors=errors,
+        capture_direct_forwards=capture_direct_forwards,
+        columns=columns,
+    )
+    model.__dict__[ATTRIBUTE] = observer
+    observer.attach(model)
+
+
+def remove_observer(model: nn.Module) -> None:
+    """Detach the observer: remove every hook and override, close each sink exactly once.
+
+    A no-op on a model without an observer. Close failures are reported through the error policy
+    after every sink was given its chance to close.
+    """
+    observer = getattr(model, "__dict__", {}).get(ATTRIBUTE)
+    if not isinstance(observer, Observer):
+        if ATTRIBUTE in getattr(model, "__dict__", {}):
+            del model.__dict__[ATTRIBUTE]  # a copy's detached placeholder
+        return
+    try:
+        failures = observer.detach()
+    finally:
+        del model.__dict__[ATTRIBUTE]
+    for error in failures:
+        observer.errors.handle("sink close", error)
+
+
+@contextmanager
+def observe(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
+    """``with observe(model, sink=MemorySink()): train(model)``: inject on enter, remove on exit."""
+    inject_observer(model, **options)
+    try:
+        yield model
+    finally:
+        remove_observer(model)

@@ -1,0 +1,396 @@
+"""Capture machinery: output pytrees, snapshots for batched reduction, and the hook objects.
+
+Lifecycle: the observer owns two permanent hooks on the root module. Per-module hooks (or, with
+``capture_direct_forwards``, instance-level ``forward`` overrides) exist only while sampling.
+Gradient hooks live on the autograd graph (the output's ``grad_fn``) and die with it; they hold
+a :class:`GradientState` and only a weak reference to the observer, so a forward whose backward
+never comes leaks nothing once its graph is freed.
+
+Every hook object pickles and deep-copies to an inert no-op, so ``copy.deepcopy(model)`` and
+``torch.save(model)`` give unobserved copies that still run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import torch
+from torch import nn
+
+from ti_core.context import dtype_name, now_us
+from ti_core.records import Entry
+
+if TYPE_CHECKING:
+    from ti_core.histograms import HistogramData
+    from ti_core.observer import Observer
+    from ti_core.reducers import ReductionPlan
+
+SNAPSHOT_BUDGET_BYTES: Final[int] = 64 * 2**20
+"""Tensors are cloned for a batched reduction until a batch holds this much; beyond it, pending
+tensors are reduced at once (a bigger tensor is reduced in place, without a copy)."""
+HISTOGRAM_BINS: Final[int] = 30
+_MAX_DEPTH: Final[int] = 32
+
+
+# ----------------------------------------------------------------------------- output pytrees
+
+
+def tensor_leaves(output: object) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in ``output`` with its ``tensor_path``, in traversal order.
+
+    The path is the Python accessor suffix that reaches the tensor: ``""`` for a bare tensor,
+    ``[0]`` for sequence items, ``['logits']`` for mapping keys (``repr`` of the key), ``.name``
+    for dataclass and namedtuple fields, nested by concatenation (``[1]['h'].state``).
+    Non-tensor leaves are skipped. Mappings win over dataclasses (e.g. HF ``ModelOutput``).
+    """
+    if isinstance(output, torch.Tensor):
+        return [("", output)]
+    found: list[tuple[str, torch.Tensor]] = []
+    _walk(output, "", found, 0, set())
+    return found
+
+
+def _walk(obj: object, path: str, out: list[tuple[str, torch.Tensor]], depth: int, seen: set[int]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+        return
+    if depth >= _MAX_DEPTH or obj is None or isinstance(obj, str | bytes | int | float | bool):
+        return
+    key = id(obj)
+    if key in seen:
+        return
+    seen.add(key)
+    try:
+        if isinstance(obj, Mapping):
+            for k, v in obj.items():
+                _walk(v, f"{path}[{k!r}]", out, depth + 1, seen)
+        elif isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+            for name, v in zip(type(obj)._fields, obj, strict=False):
+                _walk(v, f"{path}.{name}", out, depth + 1, seen)
+        elif isinstance(obj, list | tuple):
+            for i, v in enumerate(obj):
+                _walk(v, f"{path}[{i}]", out, depth + 1, seen)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                _walk(getattr(obj, f.name, None), f"{path}.{f.name}", out, depth + 1, seen)
+    finally:
+        seen.discard(key)
+
+
+# ----------------------------------------------------------------------------- batched reduction
+
+
+@dataclass
+class Reduced:
+    """Measurements of a batch of entries, aligned with ``entries``."""
+
+    entries: list[Entry]
+    values: np.ndarray
+    available: np.ndarray
+    reasons: list[list[str | None]]
+    errors: list[BaseException]
+    histogram_entries: list[Entry] = field(default_factory=list)
+    histograms: list[HistogramData] = field(default_factory=list)
+
+
+class TensorBatch:
+    """Collects one sample's tensors of one signal and reduces them in as few calls as possible.
+
+    Snapshots (``detach().clone()``) are taken at the module boundary so later in-place ops
+    cannot change what is measured; a tensor that does not fit the budget is reduced at once.
+    """
+
+    def __init__(self, plan: ReductionPlan, focus: frozenset[int], bins: int = HISTOGRAM_BINS):
+        self._plan = plan
+        self._focus = focus
+        self._bins = bins
+        self._n_metrics = len(plan.metric_names)
+        self.entries: list[Entry] = []
+        self._pending: list[torch.Tensor] = []
+        self._pending_pos: list[int] = []
+        self._bytes = 0
+        self._values: list[np.ndarray] = []
+        self._available: list[np.ndarray] = []
+        self._reasons: list[list[str | None]] = []
+        self._positions: list[int] = []
+        self._errors: list[BaseException] = []
+        self._hist: list[tuple[int, HistogramData]] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, entry: Entry, tensor: torch.Tensor) -> None:
+        t = tensor.detach()
+        nbytes = t.numel() * t.element_size()
+        fits = self._bytes + nbytes <= SNAPSHOT_BUDGET_BYTES
+        snap = t.clone() if fits else t
+        self._pending.append(snap)
+        self._pending_pos.append(len(self.entries))
+        self.entries.append(entry)
+        if fits:
+            self._bytes += nbytes
+        else:
+            self._reduce_pending()
+
+    def _reduce_pending(self) -> None:
+        if not self._pending:
+            return
+        tensors, positions = self._pending, self._pending_pos
+        self._pending, self._pending_pos, self._bytes = [], [], 0
+        n, m = len(tensors), self._n_metrics
+        try:
+            got = self._plan.reduce(tensors)
+            values = np.asarray(got.values, dtype=np.float64).reshape(n, m)
+            available = np.asarray(got.available, dtype=np.bool_).reshape(n, m)
+            reasons = [list(r) for r in got.reasons]
+            self._errors.extend(got.errors)
+        except Exception as error:  # reducers promise not to raise; keep the rows if they do
+            values = np.full((n, m), np.nan)
+            available = np.zeros((n, m), dtype=np.bool_)
+            reason = f"reduction failed: {type(error).__name__}: {error}"
+            reasons = [[reason] * m for _ in range(n)]
+            self._errors.append(error)
+        self._values.append(values)
+        self._available.append(available)
+        self._reasons.extend(reasons)
+        self._positions.extend(positions)
+        focus = [(p, t) for p, t in zip(positions, tensors, strict=True) if self.entries[p].layer in self._focus]
+        if focus:
+            try:
+                from ti_core.histograms import compute_histograms
+
+                hists = compute_histograms([t for _, t in focus], bins=self._bins)
+                self._hist.extend((p, h) for (p, _), h in zip(focus, hists, strict=True))
+            except Exception as error:
+                self._errors.append(error)
+
+    def finish(self) -> Reduced:
+        """Reduce what is pending and return every measurement in entry order."""
+        self._reduce_pending()
+        m = self._n_metrics
+        if not self._positions:
+            return Reduced([], np.empty((0, m)), np.empty((0, m), np.bool_), [], self._errors)
+        order = np.argsort(np.asarray(self._positions), kind="stable")
+        values = np.concatenate(self._values)[order]
+        available = np.concatenate(self._available)[order]
+        reasons = [self._reasons[i] for i in order]
+        self._hist.sort(key=lambda item: item[0])
+        return Reduced(
+            self.entries,
+            values,
+            available,
+            reasons,
+            self._errors,
+            [self.entries[p] for p, _ in self._hist],
+            [h for _, h in self._hist],
+        )
+
+
+# ----------------------------------------------------------------------------- hook objects
+
+
+def _inert(*args: object, **kwargs: object) -> None:
+    """What a copied hook becomes: does nothing, returns None."""
+    return None
+
+
+def _inert_factory() -> Callable[..., None]:
+    return _inert
+
+
+class _Hook:
+    """Base of every hook object: copies and pickles become :func:`_inert`."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return (_inert_factory, ())
+
+
+class RootPreHook(_Hook):
+    __slots__ = ("observer",)
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.observer.root_enter()
+
+
+class RootPostHook(_Hook):
+    __slots__ = ("observer",)
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.observer.root_exit(module, output)
+
+
+class CallHook(_Hook):
+    """Forward hook on a selected module, installed only while sampling."""
+
+    __slots__ = ("layer", "observer")
+
+    def __init__(self, observer: Observer, layer: int) -> None:
+        self.observer = observer
+        self.layer = layer
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.observer.capture(self.layer, module, output)
+
+
+class ForwardOverride(_Hook):
+    """Instance-level ``forward`` that captures direct ``module.forward(...)`` calls too.
+
+    It replaces the forward hook of its module (calls through ``__call__`` also reach it), so no
+    call is counted twice. ``previous`` is the instance ``forward`` the user had set, if any.
+    """
+
+    __slots__ = ("__weakref__", "layer", "module_ref", "observer", "previous")
+
+    def __init__(
+        self, observer: Observer, layer: int, module: nn.Module, previous: Callable[..., Any] | None
+    ) -> None:
+        self.observer = observer
+        self.layer = layer
+        self.module_ref = weakref.ref(module)
+        self.previous = previous
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any] | None:
+        """What ``inspect.signature`` should see: the forward this override delegates to."""
+        if self.previous is not None:
+            return self.previous
+        module = self.module_ref()
+        return None if module is None else type(module).forward.__get__(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        if self.previous is not None:
+            output = self.previous(*args, **kwargs)
+        elif module is not None:
+            output = type(module).forward(module, *args, **kwargs)
+        else:  # pragma: no cover - the module owns this object through its __dict__
+            raise ReferenceError("module of this forward override is gone")
+        if module is not None:
+            self.observer.capture(self.layer, module, output)
+        return output
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+class GradientState:
+    """Gradient side of one sample: shared by its gradient hooks, owned by the autograd graph.
+
+    Each output tensor's gradient is recorded the first time a backward reaches it; the rows of
+    one backward are emitted when that backward ends (an autograd engine callback).
+    """
+
+    __slots__ = (
+        "batch",
+        "entries",
+        "forward_index",
+        "lock",
+        "observer_ref",
+        "queued",
+        "recorded",
+        "sample_id",
+    )
+
+    def __init__(self, observer: Observer, sample_id: int, forward_index: int) -> None:
+        self.observer_ref: weakref.ref[Observer] = weakref.ref(observer)
+        self.sample_id = sample_id
+        self.forward_index = forward_index
+        self.entries: list[Entry] = []
+        self.recorded: set[int] = set()
+        self.batch: TensorBatch | None = None
+        self.queued = False
+        self.lock = threading.Lock()
+
+    def watch(self, entry: Entry, tensor: torch.Tensor) -> None:
+        """Register the gradient hook of ``tensor`` (a non-leaf that requires grad)."""
+        self.entries.append(entry)
+        tensor.register_hook(GradHook(self, len(self.entries) - 1))
+
+    def receive(self, index: int, grad: torch.Tensor) -> None:
+        observer = self.observer_ref()
+        if observer is None or observer.closed:
+            return
+        try:
+            with self.lock:
+                if index in self.recorded:
+                    return
+                self.recorded.add(index)
+                fwd = self.entries[index]
+                entry = Entry(
+                    fwd.layer,
+                    fwd.call_index,
+                    fwd.path,
+                    fwd.train,
+                    fwd.grad_enabled,
+                    tuple(grad.shape),
+                    dtype_name(grad.dtype),
+                    now_us(),
+                )
+                if self.batch is None:
+                    self.batch = observer.new_batch()
+                self.batch.add(entry, grad)
+                if not self.queued:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+                    self.queued = True
+        except Exception as error:
+            observer.errors.handle("gradient capture", error)
+
+    def flush(self) -> None:
+        """End of a backward: emit the gradients it delivered to this sample."""
+        with self.lock:
+            batch, self.batch, self.queued = self.batch, None, False
+        observer = self.observer_ref()
+        if observer is None or observer.closed or batch is None:
+            return
+        observer.finish_gradients(self, batch)
+
+
+class GradHook(_Hook):
+    """Tensor hook bound to one (sample, call, tensor_path); never changes the gradient."""
+
+    __slots__ = ("index", "state")
+
+    def __init__(self, state: GradientState, index: int) -> None:
+        self.state = state
+        self.index = index
+
+    def __call__(self, grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            self.state.receive(self.index, grad)
+
+
+def install_forward_override(
+    observer: Observer, layer: int, module: nn.Module
+) -> Callable[[], None]:
+    """Put a :class:`ForwardOverride` on ``module``; return the function that undoes it exactly."""
+    had_instance = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    override = ForwardOverride(observer, layer, module, previous)
+    module.__dict__["forward"] = override
+    module_ref = weakref.ref(module)
+
+    def restore() -> None:
+        target = module_ref()
+        if target is None or target.__dict__.get("forward") is not override:
+            return
+        if had_instance:
+            target.__dict__["forward"] = previous
+        else:
+            del target.__dict__["forward"]
+
+    return restore
+

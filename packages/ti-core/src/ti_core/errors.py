@@ -1,0 +1,66 @@
+"""Exceptions of ti-core and the error policy that decides what a telemetry failure does.
+
+Telemetry must never break training unless asked to: under ``warn`` (default) and ``ignore`` every
+exception raised inside the observer's hooks is caught; ``raise`` propagates it.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Final, Literal
+
+ErrorPolicyName = Literal["warn", "ignore", "raise"]
+ERROR_POLICIES: Final[tuple[str, ...]] = ("warn", "ignore", "raise")
+
+
+class ObserverAlreadyAttachedError(RuntimeError):
+    """``inject_observer`` was called on a model that already has an observer."""
+
+
+class MissingProviderError(ImportError):
+    """A named provider (sink, rank policy) needs a distribution that is not installed."""
+
+
+class TelemetryWarning(RuntimeWarning):
+    """A measurement failed; training continued (``error_policy="warn"``)."""
+
+
+class ErrorPolicy:
+    """Applies ``warn`` / ``ignore`` / ``raise`` to failures inside the observer.
+
+    ``warn`` emits one warning per distinct failure kind (stage and exception type), so a failure
+    repeated every step does not flood the log.
+    """
+
+    def __init__(self, name: str) -> None:
+        if name not in ERROR_POLICIES:
+            raise ValueError(
+                f"error_policy={name!r} is not known; use one of {', '.join(ERROR_POLICIES)}"
+            )
+        self.name = name
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def raises(self) -> bool:
+        return self.name == "raise"
+
+    def handle(self, stage: str, error: BaseException) -> None:
+        """Report ``error`` raised while doing ``stage``; re-raise it under ``raise``."""
+        if self.name == "raise":
+            raise error
+        if self.name == "ignore":
+            return
+        kind = (stage, type(error).__name__)
+        with self._lock:
+            if kind in self._seen:
+                return
+            self._seen.add(kind)
+        warnings.warn(
+            f"ti-core: {stage} failed ({type(error).__name__}: {error}); training continues and "
+            "the affected measurements are recorded as nulls with this reason. Further failures "
+            "of this kind are not reported again (error_policy='warn').",
+            TelemetryWarning,
+            stacklevel=2,
+        )

@@ -1,0 +1,145 @@
+"""TensorBoard-style histograms of focus-layer tensors, computed on device (DESIGN §3.3).
+
+Each histogram has ``bins`` equal-width buckets spanning the tensor's finite range, plus the
+moments TensorBoard needs. All tensors of one call come back to the host in one transfer per
+device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ti_core import _selection as sel
+from ti_core.reducers import unsupported_reason
+
+__all__ = ["HistogramData", "compute_histograms", "single_value_limit"]
+
+
+@dataclass
+class HistogramData:
+    """One tensor's histogram, in the shape of a ``ti.histograms`` record.
+
+    ``bucket_limits`` are right edges (ascending; the first bucket starts at ``min``) and
+    ``bucket_counts`` the finite entries in each bucket. Buckets are closed on the left and
+    open on the right, except the last, which also holds ``max``.
+    """
+
+    bucket_limits: np.ndarray
+    bucket_counts: np.ndarray
+    min: float | None
+    max: float | None
+    num: int
+    sum: float
+    sum_squares: float
+    nonfinite_count: int
+
+
+def single_value_limit(value: float) -> float:
+    """Right edge of the one bucket of a single-valued tensor: ``value + 0.5`` when that is
+    representable as a larger number, else the next float above ``value``."""
+    right = value + 0.5
+    return right if right > value and math.isfinite(right) else float(np.nextafter(value, math.inf))
+
+
+def compute_histograms(tensors: Sequence[torch.Tensor], bins: int = 30) -> list[HistogramData]:
+    """Histograms of ``tensors`` with ``bins`` equal-width buckets over each finite range.
+
+    Empty tensors, tensors without finite entries and tensors of dtypes the default profile
+    cannot measure (complex, quantized, float8, ...) get an empty histogram (``num=0``, no
+    buckets); their history rows carry the reason.
+    """
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins must be a positive int, got {bins!r}; pass e.g. bins=30")
+    results: list[HistogramData | None] = [None] * len(tensors)
+    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"tensors[{i}] is a {type(t).__name__}; compute_histograms takes tensors"
+                )
+            if t.numel() == 0 or unsupported_reason(t) is not None:
+                results[i] = _empty(0)
+                continue
+            pending.setdefault(t.device, []).append((i, _device_row(t, bins)))
+        for items in pending.values():
+            host = torch.cat([row for _, row in items]).cpu().numpy()  # one transfer per device
+            width = 6 + 2 * bins + 1
+            for k, (i, _) in enumerate(items):
+                results[i] = _from_row(host[k * width : (k + 1) * width], bins)
+    return [r if r is not None else _empty(0) for r in results]
+
+
+def _empty(nonfinite: int) -> HistogramData:
+    return HistogramData(
+        bucket_limits=np.zeros(0, dtype=np.float64),
+        bucket_counts=np.zeros(0, dtype=np.int64),
+        min=None,
+        max=None,
+        num=0,
+        sum=0.0,
+        sum_squares=0.0,
+        nonfinite_count=nonfinite,
+    )
+
+
+def _flat_float(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    if flat.dtype in (torch.float32, torch.float64):
+        return flat.contiguous()
+    if flat.dtype in (torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint8):
+        return flat.to(torch.float32)
+    return flat.to(torch.float64)
+
+
+def _device_row(t: torch.Tensor, bins: int) -> torch.Tensor:
+    """``[min, max, num, sum, sum_squares, nonfinite, edges (bins + 1), counts (bins)]``."""
+    f64 = torch.float64
+    x = _flat_float(t)
+    n = x.numel()
+    finite = torch.isfinite(x)
+    num = finite.sum().to(f64)
+    xz = torch.where(finite, x, 0.0)
+    total = sel.sum64(xz)
+    squares = torch.stack(
+        [torch.dot(c, c) for c in (p.to(f64) for p in torch.split(xz, sel.chunk_size(x.device)))]
+    ).sum()
+    mn = torch.where(finite, x, math.inf).min().to(f64)
+    mx = torch.where(finite, x, -math.inf).max().to(f64)
+    step = (mx - mn) / bins
+    edges = torch.arange(bins + 1, dtype=f64, device=x.device) * step + mn
+    edges[-1] = mx
+    idx = torch.bucketize(x, edges[1:-1], right=True)
+    counts = torch.zeros(bins, dtype=f64, device=x.device)
+    counts.scatter_add_(0, idx.clamp_(max=bins - 1), finite.to(f64))
+    head = torch.stack([mn, mx, num, total, squares, n - num])
+    return torch.cat([head, edges, counts])
+
+
+def _from_row(row: np.ndarray, bins: int) -> HistogramData:
+    num = int(row[2])
+    nonfinite = int(row[5])
+    if num == 0:
+        return _empty(nonfinite)
+    mn, mx = float(row[0]), float(row[1])
+    if mn == mx:
+        limits = np.array([single_value_limit(mx)], dtype=np.float64)
+        counts = np.array([num], dtype=np.int64)
+    else:
+        limits = row[7 : 7 + bins].astype(np.float64)
+        counts = row[6 + bins + 1 :].astype(np.int64)
+    return HistogramData(
+        bucket_limits=limits,
+        bucket_counts=counts,
+        min=mn,
+        max=mx,
+        num=num,
+        sum=float(row[3]),
+        sum_squares=float(row[4]),
+        nonfinite_count=nonfinite,
+    )

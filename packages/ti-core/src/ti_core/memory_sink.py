@@ -1,0 +1,72 @@
+"""A sink that keeps every record in memory (tests, notebooks, production without ti-io)."""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+from ti_schema import histogram_schema, history_schema
+
+from ti_core.sink import RunInfo
+
+
+class MemorySink:
+    """Keeps the batches it receives; ``table()`` and ``histograms()`` concatenate them.
+
+    It may be reused by several runs in turn; each run's rows carry their own ``run_id``.
+    """
+
+    def __init__(self) -> None:
+        self._history: list[pa.RecordBatch] = []
+        self._histograms: list[pa.RecordBatch] = []
+        self._lock = threading.Lock()
+        self.runs: list[RunInfo] = []
+        """Every RunInfo this sink was opened with, in order."""
+        self.open_count = 0
+        self.close_count = 0
+
+    @property
+    def run(self) -> RunInfo | None:
+        """The RunInfo of the latest ``open``."""
+        return self.runs[-1] if self.runs else None
+
+    @property
+    def is_open(self) -> bool:
+        return self.open_count > self.close_count
+
+    def open(self, run: RunInfo) -> None:
+        with self._lock:
+            self.runs.append(run)
+            self.open_count += 1
+
+    def write_history(self, batch: pa.RecordBatch) -> None:
+        with self._lock:
+            self._history.append(batch)
+
+    def write_histograms(self, batch: pa.RecordBatch) -> None:
+        with self._lock:
+            self._histograms.append(batch)
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_count += 1
+
+    def _producer(self) -> str | None:
+        return self.run.producer if self.run is not None else None
+
+    def table(self) -> pa.Table:
+        """Every ``ti.history`` row received so far (an empty table with the schema if none)."""
+        with self._lock:
+            batches = list(self._history)
+        schema = batches[0].schema if batches else history_schema(self._producer())
+        return pa.Table.from_batches(batches, schema=schema)
+
+    def histograms(self) -> pa.Table:
+        """Every ``ti.histograms`` row received so far."""
+        with self._lock:
+            batches = list(self._histograms)
+        schema = batches[0].schema if batches else histogram_schema(self._producer())
+        return pa.Table.from_batches(batches, schema=schema)
+
+    def __repr__(self) -> str:
+        return f"MemorySink(batches={len(self._history)}, histogram_batches={len(self._histograms)})"

@@ -1,0 +1,339 @@
+"""The observer: one per observed model, stored privately in the model's ``__dict__``.
+
+Lifecycle: created and attached by ``inject_observer`` (sinks already open), detached by
+``remove_observer`` (every hook and override removed, every sink closed once). Between those it
+owns the root hooks permanently and the per-module capture only while a sampled forward runs
+(installed at the first sampled root forward, removed at the next unsampled one or at removal).
+Per-thread state (nesting depth, the current sample) lives in a ``threading.local``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import pyarrow as pa
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ti_core.capture import (
+    CallHook,
+    GradientState,
+    Reduced,
+    RootPostHook,
+    RootPreHook,
+    TensorBatch,
+    install_forward_override,
+    tensor_leaves,
+)
+from ti_core.context import dtype_name, in_backward, in_reentrant_checkpoint, now_us
+from ti_core.errors import ErrorPolicy
+from ti_core.records import (
+    Entry,
+    RunColumns,
+    histogram_batch,
+    history_batch,
+    unavailable_batch,
+)
+from ti_core.sampling import Sampler
+from ti_core.sink import RunInfo, Sink
+
+if TYPE_CHECKING:
+    from ti_core.reducers import ReductionPlan
+
+ATTRIBUTE: Final[str] = "_ti_observer"
+"""Key of the observer in the model's ``__dict__`` (never a submodule, parameter or buffer)."""
+
+LEAF_REASON: Final[str] = (
+    "gradient not captured: the output is a leaf tensor (the module returned an input or "
+    "parameter unchanged)"
+)
+REENTRANT_REASON: Final[str] = (
+    "gradient not captured: reentrant activation checkpoint "
+    "(use torch.utils.checkpoint(..., use_reentrant=False))"
+)
+
+
+class _ThreadState(threading.local):
+    depth = 0
+    sample: _Sample | None = None
+
+
+class _Sample:
+    """One sampled root forward, owned by the thread running it until the root returns."""
+
+    __slots__ = ("calls", "forward", "forward_index", "gaps", "gradients", "sample_id")
+
+    def __init__(self, sample_id: int, forward_index: int, batch: TensorBatch) -> None:
+        self.sample_id = sample_id
+        self.forward_index = forward_index
+        self.calls: dict[int, int] = {}
+        self.forward = batch
+        self.gaps: list[tuple[Entry, str]] = []
+        self.gradients: GradientState | None = None
+
+
+class Observer:
+    """Capture state of one ``inject_observer`` call."""
+
+    def __init__(
+        self,
+        *,
+        root: nn.Module,
+        modules: Sequence[nn.Module],
+        focus: Sequence[int],
+        run: RunInfo,
+        sinks: Sequence[Sink],
+        sampler: Sampler,
+        plan: ReductionPlan,
+        errors: ErrorPolicy,
+        capture_direct_forwards: bool,
+        columns: RunColumns,
+    ) -> None:
+        self.run = run
+        self.errors = errors
+        self.closed = False
+        self._root_ref = weakref.ref(root)
+        self._modules = [weakref.ref(m) for m in modules]
+        self._root_layer = next((i for i, m in enumerate(modules) if m is root), None)
+        self._focus = frozenset(focus)
+        self._sinks = tuple(sinks)
+        self._sampler = sampler
+        self._plan = plan
+        self._direct = capture_direct_forwards
+        self._columns = columns
+        self._local = _ThreadState()
+        self._lock = threading.Lock()
+        self._emit_lock = threading.Lock()
+        self._counter = itertools.count()
+        self._samples = 0
+        self._active = 0
+        self._installed = False
+        self._undo: list[Callable[[], None]] = []
+        self._root_handles: list[RemovableHandle] = []
+
+    # Copies of a model (deepcopy, pickle, torch.save) carry no observer: this becomes None.
+    def __reduce__(self) -> tuple[type[None], tuple[()]]:
+        return (type(None), ())
+
+    def __repr__(self) -> str:
+        return (
+            f"<ti_core Observer run_id={self.run.run_id} layers={len(self._modules)} "
+            f"sampler={self.run.sampler}{' closed' if self.closed else ''}>"
+        )
+
+    # ------------------------------------------------------------------ attach / detach
+
+    def attach(self, root: nn.Module) -> None:
+        self._root_handles = [
+            root.register_forward_pre_hook(RootPreHook(self), prepend=True),
+            root.register_forward_hook(RootPostHook(self), always_call=True),
+        ]
+
+    def detach(self) -> list[BaseException]:
+        """Remove every hook and override, close every sink once; return close errors."""
+        with self._lock:
+            self.closed = True
+            for handle in self._root_handles:
+                handle.remove()
+            self._root_handles = []
+            self._uninstall_locked()
+        failures: list[BaseException] = []
+        with self._emit_lock:
+            for sink in self._sinks:
+                try:
+                    sink.close()
+                except Exception as error:
+                    failures.append(error)
+        return failures
+
+    def _install_locked(self) -> None:
+        for layer, ref in enumerate(self._modules):
+            module = ref()
+            if module is None or layer == self._root_layer:
+                continue
+            if self._direct:
+                self._undo.append(install_forward_override(self, layer, module))
+            else:
+                self._undo.append(module.register_forward_hook(CallHook(self, layer)).remove)
+        self._installed = True
+
+    def _uninstall_locked(self) -> None:
+        undo, self._undo = self._undo, []
+        for step in reversed(undo):
+            step()
+        self._installed = False
+
+    # ------------------------------------------------------------------ root boundary
+
+    def root_enter(self) -> None:
+        """Forward pre-hook of the root: decide whether this root forward is sampled."""
+        local = self._local
+        depth = local.depth
+        local.depth = depth + 1
+        if depth or self.closed or in_backward():
+            return
+        index = next(self._counter)
+        try:
+            if not self._sampler.should_sample(index):
+                if self._installed and not self._active:
+                    with self._lock:
+                        if self._installed and not self._active:
+                            self._uninstall_locked()
+                return
+            with self._lock:
+                if self.closed:
+                    return
+                sample_id = self._samples
+                self._samples += 1
+                self._active += 1
+                if not self._installed:
+                    self._install_locked()
+            local.sample = _Sample(sample_id, index, self.new_batch())
+        except Exception as error:
+            self.errors.handle("sampling", error)
+
+    def root_exit(self, module: nn.Module, output: Any) -> None:
+        """Forward hook of the root (also runs when the forward raised): emit the sample."""
+        local = self._local
+        if local.depth > 0:
+            local.depth -= 1
+        sample = local.sample
+        if sample is None:
+            return
+        if self._root_layer is not None:
+            self.capture(self._root_layer, module, output)
+        if local.depth:
+            return
+        local.sample = None
+        with self._lock:
+            self._active -= 1
+        if self.closed:
+            return
+        try:
+            self._finish_forward(sample)
+        except Exception as error:
+            self.errors.handle("forward emission", error)
+
+    # ------------------------------------------------------------------ per call
+
+    def capture(self, layer: int, module: nn.Module, output: Any) -> None:
+        """One call of a selected module during a sampled forward of this thread."""
+        sample = self._local.sample
+        if sample is None or in_backward():
+            return
+        try:
+            self._record(sample, layer, module, output)
+        except Exception as error:
+            self.errors.handle("output capture", error)
+
+    def _record(self, sample: _Sample, layer: int, module: nn.Module, output: Any) -> None:
+        call = sample.calls.get(layer, 0)
+        sample.calls[layer] = call + 1
+        leaves = tensor_leaves(output)
+        if not leaves:
+            return
+        stamp = now_us()
+        train = bool(module.training)
+        grad_enabled = torch.is_grad_enabled()
+        reentrant: bool | None = None
+        for path, tensor in leaves:
+            entry = Entry(
+                layer,
+                call,
+                path,
+                train,
+                grad_enabled,
+                tuple(int(d) for d in tensor.shape),
+                dtype_name(tensor.dtype),
+                stamp,
+            )
+            sample.forward.add(entry, tensor)
+            if grad_enabled and tensor.requires_grad:
+                if tensor.grad_fn is None:
+                    sample.gaps.append((entry, LEAF_REASON))
+                else:
+                    if sample.gradients is None:
+                        sample.gradients = GradientState(
+                            self, sample.sample_id, sample.forward_index
+                        )
+                    sample.gradients.watch(entry, tensor)
+            elif not grad_enabled and (tensor.is_floating_point() or tensor.is_complex()):
+                if reentrant is None:
+                    reentrant = in_reentrant_checkpoint()
+                if reentrant:
+                    sample.gaps.append((entry, REENTRANT_REASON))
+
+    # ------------------------------------------------------------------ emission
+
+    def new_batch(self) -> TensorBatch:
+        return TensorBatch(self._plan, self._focus)
+
+    def _finish_forward(self, sample: _Sample) -> None:
+        reduced = sample.forward.finish()
+        self._emit("output", sample.sample_id, sample.forward_index, reduced)
+        if sample.gaps:
+            entries = [e for e, _ in sample.gaps]
+            reasons = [r for _, r in sample.gaps]
+            batch = unavailable_batch(
+                self._columns,
+                "output_gradient",
+                sample.sample_id,
+                sample.forward_index,
+                entries,
+                reasons,
+            )
+            self._write("history", batch)
+
+    def finish_gradients(self, state: GradientState, batch: TensorBatch) -> None:
+        """End of a backward that reached ``state``'s sample (autograd engine callback)."""
+        try:
+            self._emit("output_gradient", state.sample_id, state.forward_index, batch.finish())
+        except Exception as error:
+            self.errors.handle("gradient emission", error)
+
+    def _emit(self, signal: str, sample_id: int, forward_index: int, reduced: Reduced) -> None:
+        if reduced.entries:
+            batch = history_batch(
+                self._columns,
+                signal,
+                sample_id,
+                forward_index,
+                reduced.entries,
+                reduced.values,
+                reduced.available,
+                reduced.reasons,
+            )
+            self._write("history", batch)
+        if reduced.histograms:
+            hist = histogram_batch(
+                self._columns,
+                signal,
+                sample_id,
+                forward_index,
+                reduced.histogram_entries,
+                reduced.histograms,
+            )
+            self._write("histograms", hist)
+        for error in reduced.errors:
+            self.errors.handle("reduction", error)
+
+    def _write(self, kind: str, batch: pa.RecordBatch) -> None:
+        with self._emit_lock:
+            if self.closed:
+                return
+            for sink in self._sinks:
+                try:
+                    if kind == "history":
+                        sink.write_history(batch)
+                    else:
+                        sink.write_histograms(batch)
+                except Exception as error:
+                    self.errors.handle(f"{type(sink).__name__}.write_{kind}", error)
+
+
+__all__ = ["ATTRIBUTE", "Observer", "dtype_name"]

@@ -1,0 +1,505 @@
+"""Scalar reducers: the exact default metric profile and custom named metrics (DESIGN §3.2).
+
+A :class:`ReductionPlan` turns the tensors of one sample and signal into a
+:class:`Measurements` matrix (tensor x metric). The default profile runs on each tensor's own
+device, batched: small tensors of similar size are reduced together as rows of one padded
+matrix, large ones one by one with exact selection instead of full sorts. Every device's
+results travel to the host in one transfer per :meth:`ReductionPlan.reduce` call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ti_core import _selection as sel
+from ti_schema import DEFAULT_METRICS
+
+__all__ = [
+    "DefaultProfile",
+    "Measurements",
+    "Reducer",
+    "ReducerSpec",
+    "ReductionPlan",
+    "default_reducers",
+]
+
+
+@dataclass(frozen=True)
+class Reducer:
+    """A custom scalar metric: ``fn(tensor)`` returns a 0-d tensor or a Python number.
+
+    ``name`` becomes the value of the ``metric`` column, next to the default metrics.
+    """
+
+    name: str
+    fn: Callable[[torch.Tensor], torch.Tensor | float]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(
+                f"Reducer(name=...) must be a non-empty string, got {self.name!r}; "
+                "name the metric, e.g. Reducer('abs_max', lambda t: t.abs().max())"
+            )
+        if not callable(self.fn):
+            raise TypeError(
+                f"Reducer(fn=...) for metric {self.name!r} must be callable, got "
+                f"{type(self.fn).__name__}; pass a function tensor -> number"
+            )
+
+
+@dataclass(frozen=True)
+class DefaultProfile:
+    """The built-in batched profile, ``ti_schema.DEFAULT_METRICS`` (or a subset of it)."""
+
+    names: tuple[str, ...] = DEFAULT_METRICS
+
+
+ReducerSpec = DefaultProfile | Reducer
+
+
+def default_reducers() -> tuple[ReducerSpec, ...]:
+    """The default reducers: the default metric profile alone."""
+    return (DefaultProfile(),)
+
+
+@dataclass
+class Measurements:
+    """Results of one :meth:`ReductionPlan.reduce` call, tensor by metric.
+
+    ``values[i, j]`` is meaningful exactly where ``available[i, j]``; elsewhere
+    ``reasons[i][j]`` says why the value is missing. ``errors`` holds exceptions raised while
+    measuring (custom reducers, or an unexpected failure of the default profile); the caller
+    applies its error policy to them.
+    """
+
+    values: np.ndarray
+    available: np.ndarray
+    reasons: list[list[str | None]]
+    errors: list[BaseException]
+
+
+# Columns of one default-profile row as computed on device: the metrics in DEFAULT_METRICS
+# order, then the finite count (which decides availability on the host).
+_ROW = len(DEFAULT_METRICS) + 1
+_NF = len(DEFAULT_METRICS)
+_FINITE_COLS = 7
+
+_LARGE = 1 << 16
+"""Tensors with more entries are reduced one by one with selection; smaller ones are batched."""
+
+_BATCH_ELEMENTS = 1 << 20
+"""At most this many padded entries per batched matrix, bounding temporary memory."""
+
+EMPTY_REASON = "empty tensor (numel=0)"
+NO_FINITE_REASON = "no finite entries"
+OVERFLOW_REASON = "overflow: the result is not finite in float64"
+
+_EXACT_F32 = frozenset({torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint8})
+_AS_F64 = frozenset(
+    {torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64}
+)
+SUPPORTED_DTYPES: frozenset[torch.dtype] = (
+    frozenset({torch.float32, torch.float64}) | _EXACT_F32 | _AS_F64
+)
+"""Dtypes the default profile measures; any other dtype gives explained nulls."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``, as in the ``dtype`` column."""
+    return str(dtype).removeprefix("torch.")
+
+
+def unsupported_reason(t: torch.Tensor) -> str | None:
+    """Why the default profile cannot measure ``t``, or None when it can."""
+    if t.layout != torch.strided:
+        return f"unsupported layout {str(t.layout).removeprefix('torch.')}: only dense tensors"
+    if t.dtype not in SUPPORTED_DTYPES:
+        return (
+            f"unsupported dtype {dtype_name(t.dtype)}: the default profile measures "
+            "floating, integer and bool tensors"
+        )
+    if t.is_meta:
+        return "meta tensor: it has no values to measure"
+    return None
+
+
+class ReductionPlan:
+    """Validated reducers of one observer, and the batched reduction of a sample's tensors."""
+
+    def __init__(self, reducers: Sequence[ReducerSpec]) -> None:
+        if isinstance(reducers, (DefaultProfile, Reducer, str)) or not isinstance(
+            reducers, Sequence
+        ):
+            raise TypeError(
+                f"reducers must be a sequence of DefaultProfile/Reducer, got "
+                f"{type(reducers).__name__}; pass e.g. "
+                "reducers=[*default_reducers(), Reducer('name', fn)]"
+            )
+        if len(reducers) == 0:
+            raise ValueError(
+                "reducers is empty, so nothing would be measured; pass default_reducers() "
+                "or at least one Reducer"
+            )
+        names: list[str] = []
+        self._default_names: tuple[str, ...] = ()
+        self._default_cols: list[int] = []  # DEFAULT_METRICS column of each emitted default
+        self._default_out: list[int] = []  # output column of each emitted default metric
+        self._custom: list[tuple[int, Reducer]] = []
+        for i, spec in enumerate(reducers):
+            if isinstance(spec, DefaultProfile):
+                if self._default_names:
+                    raise ValueError(
+                        f"reducers[{i}] repeats DefaultProfile; list the default profile once"
+                    )
+                bad = [n for n in spec.names if n not in DEFAULT_METRICS]
+                if bad or not spec.names or isinstance(spec.names, str):
+                    raise ValueError(
+                        f"reducers[{i}]: DefaultProfile(names={spec.names!r}) must be a "
+                        f"non-empty tuple drawn from {DEFAULT_METRICS}; unknown: {bad}"
+                    )
+                self._default_names = tuple(spec.names)
+                for n in spec.names:
+                    self._default_cols.append(DEFAULT_METRICS.index(n))
+                    self._default_out.append(len(names))
+                    names.append(n)
+            elif isinstance(spec, Reducer):
+                if not isinstance(spec.name, str) or not spec.name:
+                    raise TypeError(
+                        f"reducers[{i}].name must be a non-empty string, got {spec.name!r}"
+                    )
+                self._custom.append((len(names), spec))
+                names.append(spec.name)
+            else:
+                raise TypeError(
+                    f"reducers[{i}] is a {type(spec).__name__}; each item must be "
+                    "DefaultProfile() or Reducer(name, fn)"
+                )
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(
+                f"reducers name the metric(s) {dupes} more than once; give every Reducer a "
+                "unique name that is not also a default metric"
+            )
+        self.metric_names: tuple[str, ...] = tuple(names)
+
+    def reduce(self, tensors: Sequence[torch.Tensor]) -> Measurements:
+        """Measure every tensor with every reducer; never raises for a tensor's content."""
+        n, m = len(tensors), len(self.metric_names)
+        values = np.zeros((n, m), dtype=np.float64)
+        available = np.zeros((n, m), dtype=bool)
+        reasons: list[list[str | None]] = [[None] * m for _ in range(n)]
+        errors: list[BaseException] = []
+        out = _Output(values, available, reasons, errors)
+        with torch.no_grad():
+            pending = _Pending()
+            if self._default_names:
+                self._run_default(tensors, pending, out)
+            for col, spec in self._custom:
+                self._run_custom(tensors, col, spec, pending, out)
+            pending.transfer(self, tensors, out)
+        return Measurements(values, available, reasons, errors)
+
+    # -- default profile ---------------------------------------------------------------------
+
+    def _run_default(
+        self, tensors: Sequence[torch.Tensor], pending: _Pending, out: _Output
+    ) -> None:
+        small: dict[tuple[torch.device, int], list[int]] = {}
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                self._fail_default(out, i, f"not a tensor: {type(t).__name__}")
+                continue
+            why = unsupported_reason(t)
+            numel = t.numel() if why is None else 0
+            if why is not None:
+                self._fail_default(out, i, why)
+            elif numel == 0:
+                self._fail_default(out, i, EMPTY_REASON)
+            elif numel > _LARGE:
+                try:
+                    pending.add_large(i, t)
+                except Exception as exc:  # telemetry must not break training; caller decides
+                    self._fail_defaults(out, [i], exc)
+            else:
+                # Size classes (powers of two) bound the padding of a batch to under 2x.
+                small.setdefault((t.device, (numel - 1).bit_length()), []).append(i)
+        for (device, _), idx in small.items():
+            for chunk in _batches(idx, tensors):
+                try:
+                    rows = _batched_rows([tensors[i] for i in chunk], device)
+                except Exception as exc:
+                    self._fail_defaults(out, chunk, exc)
+                else:
+                    pending.add_rows(device, chunk, rows)
+
+    def _fail_defaults(self, out: _Output, idx: list[int], exc: Exception) -> None:
+        out.errors.append(exc)
+        for i in idx:
+            self._fail_default(out, i, f"{type(exc).__name__}: {exc}")
+
+    def _fail_default(self, out: _Output, i: int, reason: str) -> None:
+        for col in self._default_out:
+            out.available[i, col] = False
+            out.reasons[i][col] = reason
+
+    def fill_default(self, out: _Output, i: int, row: np.ndarray) -> None:
+        """Write one device row (DEFAULT_METRICS order + finite count) into the output."""
+        has_finite = row[_NF] > 0
+        for src, col in zip(self._default_cols, self._default_out, strict=True):
+            v = float(row[src])
+            if src < _FINITE_COLS and not has_finite:
+                out.reasons[i][col] = NO_FINITE_REASON
+            elif math.isfinite(v):
+                out.values[i, col] = v
+                out.available[i, col] = True
+            else:
+                out.reasons[i][col] = OVERFLOW_REASON
+
+    # -- custom reducers ---------------------------------------------------------------------
+
+    def _run_custom(
+        self,
+        tensors: Sequence[torch.Tensor],
+        col: int,
+        spec: Reducer,
+        pending: _Pending,
+        out: _Output,
+    ) -> None:
+        for i, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor) and t.numel() == 0:
+                out.reasons[i][col] = EMPTY_REASON
+                continue
+            try:
+                result = spec.fn(t)
+                if isinstance(result, torch.Tensor):
+                    if result.numel() != 1 or result.is_complex():
+                        raise TypeError(
+                            f"Reducer {spec.name!r} returned a {dtype_name(result.dtype)} tensor "
+                            f"of shape {tuple(result.shape)}; return a real 0-d tensor or a number"
+                        )
+                    pending.add_custom(
+                        i, col, spec.name, result.detach().reshape(()).to(torch.float64)
+                    )
+                else:
+                    _store_custom(out, i, col, spec.name, float(result))
+            except Exception as exc:  # a failing reducer is a null with a reason, not a crash
+                out.errors.append(exc)
+                out.reasons[i][col] = f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class _Output:
+    values: np.ndarray
+    available: np.ndarray
+    reasons: list[list[str | None]]
+    errors: list[BaseException]
+
+
+def _store_custom(out: _Output, i: int, col: int, name: str, v: float) -> None:
+    if math.isfinite(v):
+        out.values[i, col] = v
+        out.available[i, col] = True
+        out.reasons[i][col] = None
+    else:
+        out.reasons[i][col] = f"Reducer {name!r} returned {v}"
+
+
+class _Pending:
+    """Device-side results waiting for the single transfer per device."""
+
+    def __init__(self) -> None:
+        self.rows: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        self.retry: set[int] = set()  # large accelerator tensors computed optimistically
+        self.custom: dict[torch.device, list[tuple[int, int, str, torch.Tensor]]] = {}
+
+    def add_rows(self, device: torch.device, idx: list[int], rows: torch.Tensor) -> None:
+        self.rows.setdefault(device, []).append((idx, rows))
+
+    def add_large(self, i: int, t: torch.Tensor) -> None:
+        if t.device.type == "cpu":
+            row = _large_row_exact(_flat_float(t))
+        else:
+            row = _large_row_optimistic(_flat_float(t))
+            self.retry.add(i)
+        self.add_rows(t.device, [i], row.reshape(1, _ROW))
+
+    def add_custom(self, i: int, col: int, name: str, value: torch.Tensor) -> None:
+        self.custom.setdefault(value.device, []).append((i, col, name, value))
+
+    def transfer(self, plan: ReductionPlan, tensors: Sequence[torch.Tensor], out: _Output) -> None:
+        for device in {*self.rows, *self.custom}:
+            groups = self.rows.get(device, [])
+            customs = self.custom.get(device, [])
+            parts = [rows.reshape(-1) for _, rows in groups]
+            parts += [v.reshape(1) for _, _, _, v in customs]
+            try:
+                host = torch.cat(parts).cpu().numpy()  # the one device-to-host transfer
+            except Exception as exc:
+                out.errors.append(exc)
+                reason = f"{type(exc).__name__}: {exc}"
+                for idx, _ in groups:
+                    for i in idx:
+                        plan._fail_default(out, i, reason)
+                for i, col, _, _ in customs:
+                    out.reasons[i][col] = reason
+                continue
+            pos = 0
+            for idx, rows in groups:
+                block = host[pos : pos + rows.numel()].reshape(len(idx), _ROW)
+                pos += rows.numel()
+                for i, row in zip(idx, block, strict=True):
+                    final: np.ndarray | None = row
+                    if i in self.retry and row[_NF] != tensors[i].numel():
+                        final = _retry_exact(plan, out, i, tensors[i])
+                    if final is not None:
+                        plan.fill_default(out, i, final)
+            for i, col, name, _ in customs:
+                _store_custom(out, i, col, name, float(host[pos]))
+                pos += 1
+
+
+def _retry_exact(plan: ReductionPlan, out: _Output, i: int, t: torch.Tensor) -> np.ndarray | None:
+    # An accelerator tensor with non-finite entries: its optimistic order statistics assumed
+    # none, so redo it exactly (this costs extra synchronizations, only in this case).
+    try:
+        return _large_row_exact(_flat_float(t)).cpu().numpy()
+    except Exception as exc:
+        out.errors.append(exc)
+        plan._fail_default(out, i, f"{type(exc).__name__}: {exc}")
+        return None
+
+
+# -- batched small tensors ---------------------------------------------------------------------
+
+
+def _batches(idx: list[int], tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Split one size class into batches of bounded padded size."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    width = 0
+    for i in idx:
+        w = max(width, tensors[i].numel())
+        if cur and w * (len(cur) + 1) > _BATCH_ELEMENTS:
+            out.append(cur)
+            cur, w = [], tensors[i].numel()
+        cur.append(i)
+        width = w
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _batched_rows(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Default-profile rows of same-device small tensors, reduced together in float64."""
+    f64 = torch.float64
+    lengths = [t.numel() for t in ts]
+    k, width = len(ts), max(lengths)
+    flats = [t.reshape(-1) for t in ts]
+    if min(lengths) == width:
+        x = torch.empty((k, width), dtype=f64, device=device)
+        torch.cat(flats, out=x.view(-1))
+        numel = torch.full((k,), float(width), dtype=f64, device=device)
+    else:
+        total = sum(lengths)
+        flat = torch.empty(total, dtype=f64, device=device)
+        torch.cat(flats, out=flat)
+        lens = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
+        starts = torch.cumsum(lens, 0) - lens
+        rows = torch.repeat_interleave(torch.arange(k, device=device), lens, output_size=total)
+        dest = torch.arange(total, device=device) + (rows * width - starts[rows])
+        x = torch.full((k, width), math.nan, dtype=f64, device=device)
+        x.view(-1)[dest] = flat  # padding stays NaN: not finite, not zero
+        numel = lens.to(f64)
+    finite = torch.isfinite(x)
+    nf = finite.sum(1).to(f64)
+    zeros = (x == 0).sum(1).to(f64)
+    xf = torch.where(finite, x, 0.0)
+    mean = xf.sum(1) / nf
+    d = torch.where(finite, x - mean[:, None], 0.0)
+    std = torch.sqrt((d * d).sum(1) / nf)
+    ordered = torch.where(finite, x, math.inf).sort(dim=1).values
+    last = (nf - 1).clamp(min=0)
+    cols = [mean, std, ordered[:, 0], ordered.gather(1, last.long()[:, None])[:, 0]]
+    for q in sel.QUANTILES:
+        pos = q * last
+        lo = pos.floor()
+        hi = torch.minimum(lo + 1, last)
+        a = ordered.gather(1, lo.long()[:, None])[:, 0]
+        b = ordered.gather(1, hi.long()[:, None])[:, 0]
+        cols.append(sel.lerp(a, b, pos - lo))
+    cols += [zeros / numel, (numel - nf) / numel, nf]
+    return torch.stack(cols, dim=1)
+
+
+# -- large tensors -----------------------------------------------------------------------------
+
+
+def _flat_float(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 1-D float32/float64 tensor holding exactly its values."""
+    flat = t.reshape(-1)
+    if flat.dtype in _EXACT_F32:
+        return flat.to(torch.float32)
+    if flat.dtype in _AS_F64:
+        return flat.to(torch.float64)
+    return flat.contiguous()
+
+
+def _large_row_exact(x: torch.Tensor) -> torch.Tensor:
+    """One default-profile row of a large 1-D float tensor, deciding on the host."""
+    f64 = torch.float64
+    n = x.numel()
+    nonzero = torch.count_nonzero(x)
+    mn, mx = torch.aminmax(x)
+    if math.isfinite(float(mn)) and math.isfinite(float(mx)):
+        v, nf = x, n
+    else:
+        v = x[torch.isfinite(x)]  # copies only the finite entries
+        nf = v.numel()
+        if nf:
+            mn, mx = torch.aminmax(v)
+    zero_frac = (n - nonzero.to(f64)) / n
+    tail = torch.stack([zero_frac, torch.tensor((n - nf) / n, dtype=f64), torch.tensor(float(nf))])
+    if nf == 0:
+        return torch.cat([torch.full((_FINITE_COLS,), math.nan, dtype=f64), tail.to(x.device)])
+    mean = sel.sum64(v) / nf
+    std = torch.sqrt(sel.centered_sum_squares64(v, mean) / nf)
+    positions = sel.quantile_positions(nf)
+    ranks = [r for lo, hi, _ in positions for r in (lo, hi)]
+    stats = sel.order_statistics(v, ranks)
+    quants = [
+        sel.lerp(stats[2 * j], stats[2 * j + 1], frac) for j, (_, _, frac) in enumerate(positions)
+    ]
+    head = torch.stack([mean, std, mn.to(f64), mx.to(f64), *quants])
+    return torch.cat([head, tail.to(x.device)])
+
+
+def _large_row_optimistic(x: torch.Tensor) -> torch.Tensor:
+    """Device-only row of a large accelerator tensor; its order statistics assume all entries
+    are finite (the host checks the finite count after the transfer and redoes it if not)."""
+    f64 = torch.float64
+    n = x.numel()
+    finite = torch.isfinite(x)
+    nf = finite.sum().to(f64)
+    xz = torch.where(finite, x, 0.0)
+    mean = sel.sum64(xz) / nf
+    parts = []
+    step = sel.chunk_size(x.device)
+    for c, fc in zip(torch.split(xz, step), torch.split(finite, step), strict=True):
+        d = torch.where(fc, c.to(f64) - mean, 0.0)
+        parts.append(torch.dot(d, d))
+    std = torch.sqrt(torch.stack(parts).sum() / nf)
+    mn = torch.where(finite, x, math.inf).min().to(f64)
+    mx = torch.where(finite, x, -math.inf).max().to(f64)
+    positions = sel.quantile_positions(n)
+    quants = []
+    for lo, hi, frac in positions:
+        a = torch.kthvalue(x, lo + 1).values.to(f64)
+        b = torch.kthvalue(x, hi + 1).values.to(f64) if hi != lo else a
+        quants.append(sel.lerp(a, b, frac))
+    zero_frac = (x == 0).sum().to(f64) / n
+    return torch.stack([mean, std, mn, mx, *quants, zero_frac, (n - nf) / n, nf])

@@ -1,0 +1,123 @@
+"""Which modules are observed, under which names, and which of them get histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from ti_core.sink import LayerInfo
+
+Selector = Callable[[str, nn.Module], bool]
+"""Any ``(qualified_name, module) -> bool``; ``''`` is the root."""
+
+
+class _LeafModules:
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return next(iter(module.children()), None) is None
+
+    def __repr__(self) -> str:
+        return "leaf_modules()"
+
+
+def leaf_modules() -> Selector:
+    """The default selector: modules without child modules."""
+    return _LeafModules()
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Selected modules in traversal order, their names and the histogram focus subset."""
+
+    modules: tuple[nn.Module, ...]
+    layers: tuple[LayerInfo, ...]
+    focus: tuple[int, ...]
+    """Indices into ``layers`` of the focus layers."""
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module whose names are reported: the original module behind ``torch.compile``."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+        return inner
+    return model
+
+
+def select_modules(
+    model: nn.Module,
+    selector: Selector | None,
+    histogram_selector: Selector | Collection[str] | None,
+    max_histogram_modules: int,
+) -> Selection:
+    """Run the selectors over ``model.named_modules()``; raise ValueError when nothing matches.
+
+    A module registered under several names is one layer: its first name in traversal order, the
+    others in ``aliases``. It is selected when the selector accepts any of its names.
+    """
+    if selector is None:
+        selector = leaf_modules()
+    elif not callable(selector):
+        raise TypeError(
+            f"selector= must be a callable (name, module) -> bool such as leaf_modules(), "
+            f"got {selector!r}"
+        )
+    names: dict[int, list[str]] = {}
+    order: list[nn.Module] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        key = id(module)
+        if key not in names:
+            names[key] = []
+            order.append(module)
+        names[key].append(name)
+    modules: list[nn.Module] = []
+    layers: list[LayerInfo] = []
+    for module in order:
+        all_names = names[id(module)]
+        if any(bool(selector(n, module)) for n in all_names):
+            modules.append(module)
+            layers.append(LayerInfo(all_names[0], type(module).__name__, tuple(all_names[1:])))
+    if not modules:
+        raise ValueError(
+            f"selector={selector!r} matched no module of {type(model).__name__}; "
+            "pass a selector that accepts at least one (name, module), e.g. leaf_modules()"
+        )
+    focus = _focus(layers, modules, histogram_selector, max_histogram_modules)
+    return Selection(tuple(modules), tuple(layers), focus)
+
+
+def _focus(
+    layers: list[LayerInfo],
+    modules: list[nn.Module],
+    histogram_selector: Selector | Collection[str] | None,
+    limit: int,
+) -> tuple[int, ...]:
+    if histogram_selector is None:
+        return tuple(range(min(limit, len(layers))))
+    if callable(histogram_selector):
+        chosen = [
+            i
+            for i, (info, module) in enumerate(zip(layers, modules, strict=True))
+            if any(bool(histogram_selector(n, module)) for n in (info.name, *info.aliases))
+        ]
+        if not chosen:
+            raise ValueError(
+                f"histogram_selector={histogram_selector!r} matched none of the "
+                f"{len(layers)} selected modules; pass a selector that accepts one of them, a "
+                "list of their names, or None for the first max_histogram_modules"
+            )
+        return tuple(chosen[:limit])
+    if isinstance(histogram_selector, str) or not isinstance(histogram_selector, Iterable):
+        raise TypeError(
+            "histogram_selector= must be a callable (name, module) -> bool or a list of selected "
+            f"module names, got {histogram_selector!r}"
+        )
+    wanted = list(histogram_selector)
+    index = {n: i for i, info in enumerate(layers) for n in (info.name, *info.aliases)}
+    unknown = [n for n in wanted if n not in index]
+    if unknown or not wanted:
+        raise ValueError(
+            f"histogram_selector names {unknown or wanted!r} are not selected modules; "
+            f"selected: {[info.name for info in layers][:20]!r}"
+        )
+    return tuple(sorted({index[n] for n in wanted}))[:limit]

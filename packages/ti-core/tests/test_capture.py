@@ -1,0 +1,336 @@
+"""Forward capture: values taken at the module boundary, tensor paths, context, removal."""
+
+from __future__ import annotations
+
+import functools
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _core_helpers import assert_matches, hook_state, reference, rows, stats
+from ti_schema.testing import assert_history_conforms
+from torch import nn
+
+from ti_core import AlwaysSampler, MemorySink, inject_observer, observe, remove_observer
+
+
+def identity_linear(n: int) -> nn.Linear:
+    lin = nn.Linear(n, n)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(n))
+        lin.bias.zero_()
+    return lin
+
+
+def symmetric_inputs(rows_: int, cols: int) -> torch.Tensor:
+    half = torch.rand(rows_ * cols // 2) * 2 - 1
+    assert bool((half != 0).all())
+    return torch.cat([half, -half]).reshape(rows_, cols)
+
+
+def test_identity_linear_then_inplace_relu() -> None:
+    model = nn.Sequential(identity_linear(8), nn.ReLU(inplace=True))
+    x = symmetric_inputs(16, 8)
+    sink = MemorySink()
+    with observe(model, sink=sink, sampler=AlwaysSampler()):
+        out = model(x)
+        out.sum().backward()
+    table = sink.table()
+    assert_history_conforms(table)
+    xs = x.numpy().astype(np.float64)
+
+    linear_out = stats(table, layer="0", signal="output")
+    assert linear_out["mean"] == pytest.approx(0.0, abs=1e-9)  # before the in-place ReLU
+    assert_matches(linear_out, reference(xs))
+    assert_matches(stats(table, layer="1", signal="output"), reference(np.maximum(xs, 0)))
+
+    linear_grad = stats(table, layer="0", signal="output_gradient")
+    assert linear_grad["mean"] == 0.5
+    assert_matches(linear_grad, reference((xs > 0).astype(np.float64)))
+    assert_matches(stats(table, layer="1", signal="output_gradient"), reference(np.ones_like(xs)))
+
+
+def test_rows_carry_identity_and_context() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+    sink = MemorySink()
+    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    run_id = sink.run.run_id if sink.run else ""
+    model(torch.randn(5, 3))
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 3))
+    remove_observer(model)
+    table = sink.table()
+    assert_history_conforms(table)
+    first = rows(table, sample_id=0, layer="0", metric="mean")[0]
+    assert first["run_id"] == run_id and len(run_id) == 32
+    assert first["module_type"] == "Linear"
+    assert first["mode"] == "train" and first["grad_enabled"] is True
+    assert first["shape"] == [5, 4] and first["dtype"] == "float32"
+    assert first["tensor_path"] == "" and first["call_index"] == 0 and first["rank"] == 0
+    second = rows(table, sample_id=1, layer="1", metric="mean")[0]
+    assert second["mode"] == "eval" and second["grad_enabled"] is False
+    assert second["forward_index"] == 1 and second["shape"] == [2, 4]
+    # no_grad forward: no gradient rows at all
+    assert not rows(table, sample_id=1, signal="output_gradient")
+    assert sorted({r["metric"] for r in rows(table, sample_id=0, layer="0")}) == sorted(
+        ["mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction"]
+    )
+
+
+def test_mode_is_the_module_own_flag() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+    model[1].eval()  # the parent stays in train mode
+    sink = MemorySink()
+    with observe(model, sink=sink, sampler=AlwaysSampler()):
+        model(torch.randn(4, 2))
+    table = sink.table()
+    assert {r["mode"] for r in rows(table, layer="0")} == {"train"}
+    assert {r["mode"] for r in rows(table, layer="1")} == {"eval"}
+
+
+Pair = namedtuple("Pair", ["left", "right", "note"])
+
+
+@dataclass
+class Result:
+    hidden: torch.Tensor
+    label: str
+    extra: Any
+
+
+class TreeOutput(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        return (
+            x + 1,
+            [x * 2, "text", None, 3],
+            {"logits": x * 3, "nested": {"inner": x * 4}, 7: x * 5},
+            Result(hidden=x * 6, label="s", extra=(x * 7, 1.5)),
+            Pair(x * 8, x.long(), "n"),
+        )
+
+
+def test_pytree_tensor_paths_skip_non_tensor_leaves() -> None:
+    model = nn.Sequential(TreeOutput())
+    sink = MemorySink()
+    x = torch.randn(3, 2)
+    with observe(model, sink=sink, sampler=AlwaysSampler()):
+        model(x)
+    table = sink.table()
+    assert_history_conforms(table)
+    expected = {
+        "[0]": x + 1,
+        "[1][0]": x * 2,
+        "[2]['logits']": x * 3,
+        "[2]['nested']['inner']": x * 4,
+        "[2][7]": x * 5,
+        "[3].hidden": x * 6,
+        "[3].extra[0]": x * 7,
+        "[4].left": x * 8,
+        "[4].right": x.long(),
+    }
+    got_paths = [r["tensor_path"] for r in rows(table, signal="output", metric="mean")]
+    assert got_paths == list(expected)
+    for path, tensor in expected.items():
+        assert_matches(stats(table, signal="output", tensor_path=path), reference(tensor.numpy()))
+    assert rows(table, tensor_path="[4].right", metric="mean")[0]["dtype"] == "int64"
+
+
+def test_empty_nan_and_inf_tensors_have_reasons() -> None:
+    class Odd(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            inf = x.clone()
+            inf[0, 0] = float("inf")
+            inf[1, 1] = float("-inf")
+            inf[2, 0] = float("nan")
+            return x[:0], torch.full_like(x, float("nan")), inf
+
+    sink = MemorySink()
+    model = nn.Sequential(Odd())
+    x = torch.randn(4, 3)
+    with observe(model, sink=sink, sampler=AlwaysSampler()):
+        model(x)
+    table = sink.table()
+    assert_history_conforms(table)
+    empty = rows(table, tensor_path="[0]")
+    assert len(empty) == 9 and all(r["value"] is None for r in empty)
+    assert all("empty" in r["unavailable_reason"] for r in empty)
+    assert empty[0]["shape"] == [0, 3]
+
+    nan = {r["metric"]: r for r in rows(table, tensor_path="[1]")}
+    assert nan["nonfinite_fraction"]["value"] == 1.0 and nan["zero_fraction"]["value"] == 0.0
+    for metric in ("mean", "std", "min", "max", "p25", "p50", "p75"):
+        assert nan[metric]["value"] is None
+        assert "finite" in nan[metric]["unavailable_reason"]
+
+    inf = x.clone().numpy().astype(np.float64)
+    inf[0, 0], inf[1, 1], inf[2, 0] = np.inf, -np.inf, np.nan
+    got = stats(table, tensor_path="[2]")
+    assert_matches(got, reference(inf))
+    assert got["nonfinite_fraction"] == pytest.approx(3 / 12)
+    for r in rows(table):
+        assert (r["value"] is None) == (r["unavailable_reason"] is not None)
+
+
+class Recursive(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        y = self.lin(x)
+        return self(y, depth - 1) if depth else y
+
+
+def test_nested_root_calls_are_one_root_forward() -> None:
+    model = Recursive()
+    sink = MemorySink()
+    with observe(model, sink=sink, sampler=AlwaysSampler()):
+        model(torch.randn(1, 2))
+        model(torch.randn(1, 2))
+    table = sink.table()
+    assert sorted({(r["sample_id"], r["forward_index"]) for r in rows(table)}) == [(0, 0), (1, 1)]
+    assert sorted({r["call_index"] for r in rows(table, sample_id=0, layer="lin")}) == [0, 1, 2]
+
+
+def test_root_module_selected_and_aliases() -> None:
+    shared = nn.Linear(2, 2)
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = shared
+            self.decoder = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.decoder(self.encoder(x))
+
+    model = Tied()
+    sink = MemorySink()
+    with observe(model, sink=sink, sampler=AlwaysSampler(), selector=lambda n, m: True):
+        model(torch.randn(3, 2))
+    run = sink.run
+    assert run is not None
+    assert [(info.name, info.aliases) for info in run.layers] == [("", ()), ("encoder", ("decoder",))]
+    table = sink.table()
+    assert {r["layer"] for r in table.to_pylist()} == {"", "encoder"}
+    assert sorted({r["call_index"] for r in rows(table, layer="encoder", signal="output")}) == [0, 1]
+    assert rows(table, layer="", signal="output", metric="mean")[0]["module_type"] == "Tied"
+
+
+class Parent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child.forward(x) + self.child(x * 2)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_direct_forward_capture_counts_each_call_once(direct: bool) -> None:
+    model = Parent()
+    before = hook_state(model)
+    sink = MemorySink()
+    x = torch.randn(2, 3)
+    with observe(model, sink=sink, sampler=AlwaysSampler(), capture_direct_forwards=direct):
+        model(x)
+        model(x).sum().backward()
+    table = sink.table()
+    calls = rows(table, sample_id=1, layer="child", signal="output", metric="mean")
+    with torch.no_grad():
+        direct_out = model.child(x).numpy()
+        called_out = model.child(x * 2).numpy()
+    if direct:
+        assert [r["call_index"] for r in calls] == [0, 1]
+        assert_matches(stats(table, sample_id=1, layer="child", call_index=0, signal="output"), reference(direct_out))
+        assert_matches(stats(table, sample_id=1, layer="child", call_index=1, signal="output"), reference(called_out))
+        assert len(rows(table, sample_id=1, layer="child", signal="output_gradient", metric="mean")) == 2
+    else:
+        assert [r["call_index"] for r in calls] == [0]
+        assert_matches(stats(table, sample_id=1, layer="child", signal="output"), reference(called_out))
+    assert hook_state(model) == before
+    assert "forward" not in model.child.__dict__
+
+
+def test_direct_forward_override_restores_a_user_instance_forward() -> None:
+    model = Parent()
+    original = model.child.forward
+
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return original(x) * 2
+
+    user_forward = functools.partial(doubled)
+    model.child.forward = user_forward  # type: ignore[method-assign]
+    before = hook_state(model)
+    sink = MemorySink()
+    x = torch.randn(2, 3)
+    with observe(model, sink=sink, sampler=AlwaysSampler(), capture_direct_forwards=True):
+        during = model(x)
+        assert model.child.__dict__["forward"] is not user_forward  # overridden while sampling
+    assert model.child.__dict__["forward"] is user_forward
+    assert hook_state(model) == before
+    with torch.no_grad():
+        want = (model.child.forward(x) + model.child(x * 2)).numpy()
+    np.testing.assert_array_equal(during.detach().numpy(), want)
+    assert_matches(
+        stats(sink.table(), layer="child", call_index=0, signal="output"),
+        reference((original(x) * 2).detach().numpy()),
+    )
+
+
+def test_removal_leaves_no_hook_or_attribute() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
+    before = hook_state(model)
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    sink = MemorySink()
+    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    assert list(model.state_dict()) == list(state_before)
+    assert "_ti_observer" not in dict(model.named_children())
+    model(torch.randn(3, 2)).sum().backward()
+    remove_observer(model)
+    assert hook_state(model) == before
+    assert sink.close_count == 1
+    remove_observer(model)  # a no-op now
+    assert sink.close_count == 1
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state_before[key])
+
+
+def test_exception_in_sampled_forward_leaves_no_state() -> None:
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            if self.fail:
+                raise RuntimeError("boom in forward")
+            return y
+
+    model = Flaky()
+    before = hook_state(model)
+    sink = MemorySink()
+    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        model(torch.randn(1, 2))
+    model.fail = False
+    model(torch.randn(1, 2)).sum().backward()
+    remove_observer(model)
+    assert hook_state(model) == before
+    table = sink.table()
+    assert sorted({r["sample_id"] for r in rows(table)}) == [0, 1]
+    assert rows(table, sample_id=1, layer="lin", signal="output_gradient")
+    assert not rows(table, sample_id=0, signal="output_gradient")
+
+
+def test_memory_sink_without_records_is_an_empty_valid_table() -> None:
+    sink = MemorySink()
+    assert sink.table().num_rows == 0
+    assert_history_conforms(sink.table())
+    assert sink.histograms().num_rows == 0

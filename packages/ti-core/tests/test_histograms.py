@@ -1,0 +1,157 @@
+"""Histograms of focus-layer tensors, against numpy float64."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ti_core.histograms import HistogramData, compute_histograms, single_value_limit
+
+DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+
+
+def check(h: HistogramData, t: torch.Tensor, bins: int) -> None:
+    """``h`` against numpy: moments, counts, and np.histogram over the same edges."""
+    a = t.detach().cpu().to(torch.float64).numpy().ravel()
+    finite = a[np.isfinite(a)]
+    assert h.num == finite.size
+    assert h.nonfinite_count == a.size - finite.size
+    assert h.bucket_counts.dtype == np.int64
+    assert h.bucket_limits.dtype == np.float64
+    if finite.size == 0:
+        assert h.min is None
+        assert h.max is None
+        assert h.bucket_limits.size == 0
+        assert h.bucket_counts.size == 0
+        assert h.sum == 0.0
+        assert h.sum_squares == 0.0
+        return
+    assert h.min == finite.min()
+    assert h.max == finite.max()
+    scale = float(np.abs(finite).max())
+    assert h.sum == pytest.approx(finite.sum(), rel=1e-9, abs=1e-12 * scale * finite.size)
+    assert h.sum_squares == pytest.approx(np.sum(finite * finite), rel=1e-9)
+    assert int(h.bucket_counts.sum()) == h.num
+    assert np.all(np.diff(h.bucket_limits) > 0)
+    if h.min == h.max:
+        assert h.bucket_counts.tolist() == [h.num]
+        assert h.bucket_limits.tolist() == [single_value_limit(h.max)]
+        return
+    assert h.bucket_limits.size == bins
+    assert h.bucket_limits[-1] == h.max
+    assert h.bucket_limits[0] > h.min
+    edges = np.concatenate([[h.min], h.bucket_limits])
+    np.testing.assert_allclose(edges, np.linspace(h.min, h.max, bins + 1), rtol=1e-12)
+    expected, _ = np.histogram(finite, bins=edges)
+    np.testing.assert_array_equal(h.bucket_counts, expected)
+
+
+def sample(gen: np.random.Generator, dtype: torch.dtype, size: int, nonfinite: float) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.from_numpy(gen.random(size) < 0.4)
+    if not dtype.is_floating_point:
+        return torch.from_numpy(gen.integers(-100, 100, size)).to(dtype)
+    vals = gen.standard_t(3, size) * 2.0
+    specials = gen.random(size) < nonfinite
+    vals[specials] = gen.choice([np.nan, np.inf, -np.inf], size=int(specials.sum()))
+    return torch.from_numpy(vals).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_histograms_match_numpy(dtype: torch.dtype) -> None:
+    gen = np.random.default_rng(1)
+    tensors = [sample(gen, dtype, size, 0.05) for size in (1, 2, 17, 1000, 70_000)]
+    tensors.append(sample(gen, dtype, 600, 0.0).reshape(20, 30).t())  # non-contiguous
+    for t, h in zip(tensors, compute_histograms(tensors, bins=30), strict=True):
+        check(h, t, 30)
+
+
+def test_edges_hit_values_exactly() -> None:
+    # 0..10 with 10 buckets: every interior value sits on an edge; the max closes the last.
+    t = torch.arange(11, dtype=torch.float32)
+    (h,) = compute_histograms([t], bins=10)
+    np.testing.assert_array_equal(h.bucket_limits, np.arange(1, 11, dtype=np.float64))
+    assert h.bucket_counts.tolist() == [1] * 9 + [2]
+    check(h, t, 10)
+
+
+def test_empty_nonfinite_constant_and_unsupported_tensors() -> None:
+    tensors = [
+        torch.zeros(0),
+        torch.tensor([math.nan, math.inf, -math.inf]),
+        torch.full((7,), -2.0),
+        torch.tensor([5.0, math.nan, 5.0]),
+        torch.ones(3, dtype=torch.complex64),
+        torch.tensor(1e300, dtype=torch.float64),
+    ]
+    hs = compute_histograms(tensors, bins=4)
+    check(hs[0], tensors[0], 4)
+    check(hs[1], tensors[1], 4)
+    assert hs[1].nonfinite_count == 3
+    assert hs[2].bucket_counts.tolist() == [7]
+    assert hs[2].bucket_limits.tolist() == [-1.5]
+    assert hs[3].num == 2
+    assert hs[3].nonfinite_count == 1
+    assert hs[3].bucket_counts.tolist() == [2]
+    assert hs[4].num == 0
+    assert hs[4].bucket_counts.size == 0
+    assert hs[5].bucket_limits[0] > 1e300
+
+
+def test_half_precision_moments_do_not_overflow() -> None:
+    t = torch.full((4096,), 65504.0, dtype=torch.float16)
+    (h,) = compute_histograms([t])
+    assert h.sum_squares == pytest.approx(4096 * 65504.0**2)
+    assert math.isfinite(h.sum_squares)
+
+
+def test_large_tensor_histogram() -> None:
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(3_000_001, generator=gen)
+    t[::97] = math.nan
+    (h,) = compute_histograms([t], bins=64)
+    check(h, t, 64)
+
+
+def test_bad_bins_are_rejected() -> None:
+    for bad in (0, -3, 2.5, True, "30"):
+        with pytest.raises(ValueError, match="bins"):
+            compute_histograms([torch.ones(3)], bins=bad)  # type: ignore[arg-type]
+
+
+def test_rng_state_untouched() -> None:
+    tensors = [torch.randn(1000), torch.arange(300_000.0)]
+    before = torch.get_rng_state()
+    compute_histograms(tensors)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=4),
+    bins=st.integers(1, 50),
+    nonfinite=st.sampled_from([0.0, 0.3, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_property_histograms_match_numpy(
+    dtype: torch.dtype, sizes: list[int], bins: int, nonfinite: float, seed: int
+) -> None:
+    gen = np.random.default_rng(seed)
+    tensors = [sample(gen, dtype, size, nonfinite) for size in sizes]
+    for t, h in zip(tensors, compute_histograms(tensors, bins=bins), strict=True):
+        check(h, t, bins)

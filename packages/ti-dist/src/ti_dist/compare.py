@@ -1,0 +1,202 @@
+"""Line up the same measurement across ranks and show where ranks differ.
+
+The table has one row per measured tensor, metric and sample (``layer``, ``call_index``,
+``signal``, ``tensor_path``, ``metric`` and ``sample_id`` or ``forward_index``), with every
+rank's value side by side, the spread across ranks, and the ranks that stand out. It describes;
+it does not judge: "stands out" is a fixed, documented rule, not a diagnosis.
+
+Rule for ``standout_ranks``, applied within each row:
+
+- a rank whose value is unavailable (null) while another rank has one (``unavailable_ranks``);
+- a rank whose value is NaN or infinite (``nonfinite_ranks``);
+- a rank whose finite value is far from the median of the finite values across ranks
+  (``outlier_ranks``): ``|value - median| > threshold * 1.4826 * MAD``, where MAD is the median
+  absolute deviation (1.4826 * MAD estimates the standard deviation for normal data). When the
+  MAD is 0 (at least half the ranks agree exactly), any rank differing from the median by more
+  than ``atol + rtol * |median|`` stands out. With two ranks the MAD rule cannot name one of
+  them (both sit equally far from the median), so only the first two rules apply in practice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Final, Literal
+
+import polars as pl
+
+from ti_dist.reading import scan_ranks
+
+MAD_TO_STD: Final[float] = 1.4826
+"""Scales the median absolute deviation to a standard deviation for normally distributed data."""
+
+TENSOR_KEY: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path", "metric")
+
+
+def _as_filter(name: str, value: str | Sequence[str] | None) -> pl.Expr | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return pl.col(name) == value
+    values = list(value)
+    if not values or not all(isinstance(v, str) for v in values):
+        raise TypeError(
+            f"{name} must be a string or a non-empty sequence of strings, got {value!r}"
+        )
+    return pl.col(name).is_in(values)
+
+
+def _validate(threshold: float, rtol: float, atol: float, align_on: str) -> None:
+    if align_on not in ("sample_id", "forward_index"):
+        raise ValueError(f"align_on must be 'sample_id' or 'forward_index', got {align_on!r}")
+    for name, value in (("threshold", threshold), ("rtol", rtol), ("atol", atol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+def compare_ranks(
+    source: str | os.PathLike[str] | pl.LazyFrame | pl.DataFrame,
+    *,
+    layer: str | Sequence[str] | None = None,
+    signal: str | Sequence[str] | None = None,
+    metric: str | Sequence[str] | None = None,
+    align_on: Literal["sample_id", "forward_index"] = "sample_id",
+    threshold: float = 5.0,
+    rtol: float = 1e-9,
+    atol: float = 0.0,
+    only_standouts: bool = False,
+) -> pl.DataFrame:
+    """A table comparing each measurement across ranks.
+
+    ``source`` is a run's ``output_dir`` (read with :func:`scan_ranks`) or a frame of
+    ``ti.history`` rows. ``layer``, ``signal`` and ``metric`` filter (one name or several).
+    Rows line up by ``layer``, ``call_index``, ``signal``, ``tensor_path``, ``metric`` and
+    ``align_on``: ``sample_id`` matches when every rank samples the same forwards (lockstep
+    training with ``EveryNForwardsSampler`` or ``AlwaysSampler``); use ``forward_index`` when
+    ranks sampled on their own clocks (``TimedSampler``) and compare only forwards both sampled.
+
+    Columns: the key columns; ``ranks`` and ``values`` (aligned lists, ordered by rank);
+    ``n_ranks``; ``min``, ``max``, ``spread`` (max - min), ``median`` over the finite values;
+    ``min_rank`` and ``max_rank`` (lowest rank holding the min / max); ``unavailable_ranks``,
+    ``nonfinite_ranks``, ``outlier_ranks`` and their union ``standout_ranks`` (rule in this
+    module's docstring, scaled by ``threshold``, ``rtol`` and ``atol``).
+    ``only_standouts=True`` keeps only rows where some rank stands out.
+    One row per rank and key is required: a frame holding several runs of the same rank is an
+    error (filter it by ``run_id`` first).
+    """
+    _validate(threshold, rtol, atol, align_on)
+    if isinstance(source, pl.DataFrame):
+        frame = source.lazy()
+    elif isinstance(source, pl.LazyFrame):
+        frame = source
+    elif isinstance(source, (str, os.PathLike)):
+        frame = scan_ranks(source)
+    else:
+        raise TypeError(
+            "source must be an output_dir path or a polars LazyFrame/DataFrame of ti.history "
+            f"rows, got {type(source).__name__}"
+        )
+    filters = [
+        f
+        for f in (
+            _as_filter("layer", layer),
+            _as_filter("signal", signal),
+            _as_filter("metric", metric),
+        )
+        if f is not None
+    ]
+    key = [*TENSOR_KEY, align_on]
+    for expr in filters:
+        frame = frame.filter(expr)
+    rows = frame.select(
+        [*key, pl.col("rank").cast(pl.Int32), "run_id", pl.col("value").cast(pl.Float64)]
+    ).collect()
+
+    duplicates = (
+        rows.group_by([*key, "rank"])
+        .agg(pl.len().alias("n"), pl.col("run_id").unique().alias("run_ids"))
+        .filter(pl.col("n") > 1)
+    )
+    if duplicates.height:
+        first = duplicates.row(0, named=True)
+        raise ValueError(
+            f"rank {first['rank']} has {first['n']} rows for one measurement "
+            f"(layer={first['layer']!r}, metric={first['metric']!r}, {align_on}="
+            f"{first[align_on]}), from run_ids {sorted(first['run_ids'])}: the data holds more "
+            "than one run per rank; filter by run_id before comparing"
+        )
+
+    finite = pl.col("value").is_not_null() & pl.col("value").is_finite()
+    centre = rows.filter(finite).group_by(key).agg(pl.col("value").median().alias("median"))
+    rows = rows.join(centre, on=key, how="left")
+    deviation = (pl.col("value") - pl.col("median")).abs()
+    mad = (
+        rows.filter(finite)
+        .with_columns(deviation.alias("_dev"))
+        .group_by(key)
+        .agg(pl.col("_dev").median().alias("_mad"))
+    )
+    rows = rows.join(mad, on=key, how="left")
+    scale = MAD_TO_STD * pl.col("_mad")
+    tolerance = atol + rtol * pl.col("median").abs()
+    outlier = finite & pl.when(pl.col("_mad") > 0).then(deviation > threshold * scale).otherwise(
+        deviation > tolerance
+    )
+    rows = rows.with_columns(
+        outlier.fill_null(False).alias("_outlier"),
+        (pl.col("value").is_not_null() & ~pl.col("value").is_finite()).alias("_nonfinite"),
+        pl.col("value").is_null().alias("_null"),
+    ).sort([*key, "rank"])
+
+    table = rows.group_by(key, maintain_order=True).agg(
+        pl.col("rank").alias("ranks"),
+        pl.col("value").alias("values"),
+        pl.len().cast(pl.Int64).alias("n_ranks"),
+        pl.col("value").filter(finite).min().alias("min"),
+        pl.col("value").filter(finite).max().alias("max"),
+        pl.col("median").first().alias("median"),
+        pl.col("rank")
+        .filter(finite & (pl.col("value") == pl.col("value").filter(finite).min()))
+        .min()
+        .alias("min_rank"),
+        pl.col("rank")
+        .filter(finite & (pl.col("value") == pl.col("value").filter(finite).max()))
+        .min()
+        .alias("max_rank"),
+        pl.col("rank").filter(pl.col("_null")).alias("unavailable_ranks"),
+        pl.col("_null").all().alias("_all_null"),
+        pl.col("rank").filter(pl.col("_nonfinite")).alias("nonfinite_ranks"),
+        pl.col("rank").filter(pl.col("_outlier")).alias("outlier_ranks"),
+    )
+    # Unavailable on every rank is not a rank standing out; it is the measurement's nature.
+    table = table.with_columns(
+        (pl.col("max") - pl.col("min")).alias("spread"),
+        pl.when(pl.col("_all_null"))
+        .then(pl.col("unavailable_ranks").list.slice(0, 0))
+        .otherwise(pl.col("unavailable_ranks"))
+        .alias("_unavailable_standout"),
+    )
+    table = table.with_columns(
+        pl.concat_list(["_unavailable_standout", "nonfinite_ranks", "outlier_ranks"])
+        .list.unique()
+        .list.sort()
+        .alias("standout_ranks")
+    )
+    if only_standouts:
+        table = table.filter(pl.col("standout_ranks").list.len() > 0)
+    return table.select(
+        *key,
+        "n_ranks",
+        "min",
+        "max",
+        "spread",
+        "median",
+        "min_rank",
+        "max_rank",
+        "standout_ranks",
+        "unavailable_ranks",
+        "nonfinite_ranks",
+        "outlier_ranks",
+        "ranks",
+        "values",
+    ).sort(key)

@@ -1,0 +1,127 @@
+"""Read every rank's history of a run as one Polars LazyFrame, ``rank`` column intact.
+
+Layout (DESIGN §3.3): with every rank writing, ``output_dir/rank-NNN/`` each hold a full artifact
+set; with ``Rank0Only`` (or a single process) the artifacts sit in ``output_dir`` itself. A rank
+whose run finished has ``history.parquet``; a rank still running, or one that was killed, has only
+completed chunks in ``history.parts/``. Rows are returned as written: nothing is averaged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, cast
+
+import polars as pl
+
+from ti_schema import DICTIONARY_COLUMNS
+
+HISTORY_FILE: Final[str] = "history.parquet"
+PARTS_DIR: Final[str] = "history.parts"
+RANK_DIR_PATTERN: Final[re.Pattern[str]] = re.compile(r"^rank-(\d{3,})$")
+_ENGINE_ARGUMENT_SINCE: Final[tuple[int, int]] = (1, 25)
+"""Polars release that replaced ``collect(streaming=True)`` by ``collect(engine="streaming")``."""
+
+
+@dataclass(frozen=True)
+class HistorySource:
+    """The history files of one directory: the final file, or the live/left-over parts."""
+
+    directory: Path
+    rank: int | None
+    """The rank named by a ``rank-NNN`` directory; None for a plain (single-directory) run."""
+    files: tuple[Path, ...]
+    final: bool
+    """True when ``files`` is the consolidated ``history.parquet``; False for parts."""
+
+
+def _history_files(directory: Path) -> tuple[tuple[Path, ...], bool]:
+    final = directory / HISTORY_FILE
+    if final.is_file():
+        return (final,), True
+    parts_dir = directory / PARTS_DIR
+    if not parts_dir.is_dir():
+        return (), False
+    # Writers publish a part by renaming a finished temporary file; names starting with "." or
+    # "_" are in-flight temporaries or metadata, not parts.
+    parts = sorted(
+        p for p in parts_dir.glob("*.parquet") if p.is_file() and not p.name.startswith((".", "_"))
+    )
+    return tuple(parts), False
+
+
+def find_history_sources(output_dir: str | os.PathLike[str]) -> list[HistorySource]:
+    """Every directory under ``output_dir`` holding history: ``rank-NNN/`` ones and the root.
+
+    Directories without any history yet (a rank that wrote no chunk) are left out.
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"output_dir {str(root)!r} is not a directory; pass the run's output_dir "
+            "(the folder holding rank-NNN/ subfolders or history.parquet)"
+        )
+    sources: list[HistorySource] = []
+    files, final = _history_files(root)
+    if files:
+        sources.append(HistorySource(root, None, files, final))
+    rank_dirs = []
+    for child in root.iterdir():
+        match = RANK_DIR_PATTERN.match(child.name)
+        if match and child.is_dir():
+            rank_dirs.append((int(match.group(1)), child))
+    for rank, child in sorted(rank_dirs):
+        files, final = _history_files(child)
+        if files:
+            sources.append(HistorySource(child, rank, files, final))
+    return sources
+
+
+def _scan(source: HistorySource) -> pl.LazyFrame:
+    frame = pl.scan_parquet([str(p) for p in source.files])
+    # Writers may dictionary-encode repeated strings (read as Categorical); plain strings make
+    # frames from different writers concatenate and compare alike.
+    names = frame.collect_schema().names()
+    return frame.with_columns(
+        [pl.col(name).cast(pl.String) for name in sorted(DICTIONARY_COLUMNS) if name in names]
+    )
+
+
+def scan_ranks(output_dir: str | os.PathLike[str]) -> pl.LazyFrame:
+    """One LazyFrame over every rank's ``ti.history`` rows under ``output_dir``.
+
+    Reads ``rank-NNN/history.parquet`` of each rank, or that rank's ``history.parts/*.parquet``
+    when the final file is absent (a live or killed rank); a plain single-directory run works
+    too. Each row keeps the ``rank`` its writer recorded; nothing is combined across ranks.
+    Raises ``FileNotFoundError`` naming ``output_dir`` when no history is found.
+    """
+    sources = find_history_sources(output_dir)
+    if not sources:
+        raise FileNotFoundError(
+            f"no history found under output_dir {str(Path(output_dir))!r}: expected "
+            f"{HISTORY_FILE} or {PARTS_DIR}/*.parquet in it or in its rank-NNN/ subfolders"
+        )
+    frames = [_scan(source) for source in sources]
+    if len(frames) == 1:
+        return frames[0]
+    return pl.concat(frames, how="vertical")
+
+
+def _polars_version() -> tuple[int, int]:
+    numbers = re.findall(r"\d+", pl.__version__)[:2]
+    return (int(numbers[0]), int(numbers[1])) if len(numbers) == 2 else (0, 0)
+
+
+def collect_streaming(frame: pl.LazyFrame) -> pl.DataFrame:
+    """Collect ``frame`` with Polars' streaming engine, for results built from more rows than fit
+    in memory (for example a many-rank history reduced by a ``group_by``).
+
+    Uses ``collect(engine="streaming")`` on Polars >= 1.25 and ``collect(streaming=True)`` on
+    older 1.x releases, which knew only that spelling.
+    """
+    if _polars_version() >= _ENGINE_ARGUMENT_SINCE:
+        return frame.collect(engine="streaming")
+    legacy_collect: Any = frame.collect  # the 1.x-only keyword is absent from newer stubs
+    return cast(pl.DataFrame, legacy_collect(streaming=True))

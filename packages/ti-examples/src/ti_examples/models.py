@@ -1,0 +1,109 @@
+"""Small PyTorch models for the debugging experiments, with readable layer names.
+
+Every model keeps the same parameters across the baseline, broken and fixed variant of its
+experiment (the fixes only add or swap parameter-free modules), so a fixed seed gives all three
+runs identical initial weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """``[norm] -> fc1 -> act -> fc2``: the two-layer regressor most experiments use.
+
+    ``norm`` is an optional parameter-free input normalization; ``act`` is any activation module.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden: int,
+        act: nn.Module,
+        *,
+        norm: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if norm is not None:
+            self.norm = norm
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.act = act
+        self.fc2 = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "norm"):
+            x = self.norm(x)
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class BatchStandardize(nn.Module):
+    """Standardize each feature with the batch's own mean and std, dividing by ``max(std, eps)``.
+
+    With ``eps=0`` a feature that is constant within a batch divides zero by zero: the fault the
+    ``nonfinite`` experiment injects.
+    """
+
+    def __init__(self, eps: float = 0.0) -> None:
+        super().__init__()
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(dim=0, keepdim=True)
+        std = x.std(dim=0, keepdim=True, unbiased=False)
+        if self.eps > 0:
+            std = std.clamp_min(self.eps)
+        return (x - mean) / std
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+
+class StandardizedMLP(nn.Module):
+    """``standardize -> fc1 -> act -> fc2`` with batch standardization of the raw inputs."""
+
+    def __init__(self, in_features: int, hidden: int, *, eps: float) -> None:
+        super().__init__()
+        self.standardize = BatchStandardize(eps)
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(self.standardize(x))))
+
+
+class FeatureBankNet(nn.Module):
+    """A trunk and a head; once ``bank_enabled`` it keeps the latest trunk features.
+
+    The bank is meant to hold a detached copy. ``detach_in_place=True`` reproduces the common bug
+    of writing ``h = h.detach()`` instead: the head then trains on a tensor cut off from the
+    trunk, so no gradient reaches the trunk layers again.
+    """
+
+    def __init__(self, in_features: int, hidden: int, *, detach_in_place: bool) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(
+            nn.Linear(in_features, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(hidden, 1)
+        self.detach_in_place = detach_in_place
+        self.bank_enabled = False
+        self.bank: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.trunk(x)
+        if self.bank_enabled:
+            if self.detach_in_place:
+                h = h.detach()
+                self.bank = h
+            else:
+                self.bank = h.detach()
+        out: torch.Tensor = self.head(h)
+        return out

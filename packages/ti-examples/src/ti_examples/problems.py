@@ -1,0 +1,210 @@
+"""The five debugging experiments: what breaks, how it is introduced, what fixes it.
+
+Each :class:`Problem` describes three matched runs that share the seed, the batches and the
+optimizer. ``baseline`` trains normally; ``broken`` introduces the fault at the onset step;
+``fixed`` introduces the same fault into a run that carries a known intervention. The evidence
+panels name the history series (layer, signal, metric) in which the fault is expected to show.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from ti_examples.models import MLP, FeatureBankNet, StandardizedMLP
+
+Variant = Literal["baseline", "broken", "fixed"]
+VARIANTS: tuple[Variant, ...] = ("baseline", "broken", "fixed")
+
+IN_FEATURES = 16
+HIDDEN = 32
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One evidence series: a metric of one signal of one layer (call 0, bare tensor output)."""
+
+    layer: str
+    signal: str
+    metric: str
+    log_scale: bool = False
+
+    @property
+    def label(self) -> str:
+        """``"fc1 output_gradient std"``: the series name used in tables, CSV and plots."""
+        return f"{self.layer} {self.signal} {self.metric}"
+
+
+class Problem(ABC):
+    """A fault, the evidence expected to show it, and the intervention that fixes it."""
+
+    name: ClassVar[str]
+    fault: ClassVar[str]
+    """What goes wrong at the onset step, in one sentence."""
+    evidence: ClassVar[str]
+    """Where the fault shows in the artifacts, in one sentence."""
+    fix: ClassVar[str]
+    """The intervention the fixed run carries, in one sentence."""
+    panels: ClassVar[tuple[Panel, ...]]
+    lr: ClassVar[float] = 0.05
+
+    @abstractmethod
+    def build_model(self, variant: Variant) -> nn.Module:
+        """The model for ``variant``; parameters must not depend on the variant."""
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer every variant uses."""
+        return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
+
+    def start_fault(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Introduce the fault; called once, before the onset step, in broken and fixed runs."""
+
+    def inputs(self, x: torch.Tensor, *, faulty: bool) -> torch.Tensor:
+        """The inputs the model sees; ``faulty`` is true from the onset step on."""
+        return x
+
+    def before_step(self, model: nn.Module, variant: Variant) -> None:
+        """Runs between ``backward`` and ``optimizer.step`` (for example gradient clipping)."""
+
+
+class InactiveRelu(Problem):
+    name = "inactive_relu"
+    fault = (
+        "A corrupted update shifts the hidden bias far negative, so every pre-activation is "
+        "below zero and the ReLU outputs only zeros."
+    )
+    evidence = (
+        "The ReLU output's zero_fraction reaches 1 and stays there; the gradient reaching fc1 "
+        "becomes all zeros, so the units cannot recover."
+    )
+    fix = "LeakyReLU(0.01) keeps a small slope below zero, so gradients still reach fc1."
+    panels = (
+        Panel("act", "output", "zero_fraction"),
+        Panel("fc1", "output_gradient", "zero_fraction"),
+    )
+
+    def build_model(self, variant: Variant) -> nn.Module:
+        act: nn.Module = nn.LeakyReLU(0.01) if variant == "fixed" else nn.ReLU()
+        return MLP(IN_FEATURES, HIDDEN, act)
+
+    def start_fault(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        assert isinstance(model, MLP)
+        with torch.no_grad():
+            model.fc1.bias.sub_(50.0)
+
+
+class Saturation(Problem):
+    name = "saturation"
+    fault = (
+        "The inputs arrive unnormalized (a preprocessing step is skipped: values x1000), pushing "
+        "the pre-activations deep into the sigmoid's flat tails."
+    )
+    evidence = (
+        "fc1's output std jumps by orders of magnitude and the gradient with respect to it "
+        "(the gradient before the sigmoid) collapses."
+    )
+    fix = "A parameter-free LayerNorm normalizes each input vector before fc1."
+    panels = (
+        Panel("fc1", "output", "std", log_scale=True),
+        Panel("fc1", "output_gradient", "std", log_scale=True),
+    )
+    input_scale: ClassVar[float] = 1000.0
+
+    def build_model(self, variant: Variant) -> nn.Module:
+        norm = nn.LayerNorm(IN_FEATURES, elementwise_affine=False) if variant == "fixed" else None
+        return MLP(IN_FEATURES, HIDDEN, nn.Sigmoid(), norm=norm)
+
+    def inputs(self, x: torch.Tensor, *, faulty: bool) -> torch.Tensor:
+        return x * self.input_scale if faulty else x
+
+
+class ScaleGrowth(Problem):
+    name = "scale_growth"
+    fault = (
+        "A learning-rate schedule bug multiplies the learning rate by 40; the updates overshoot "
+        "and the weights, and with them the outputs, grow with every step."
+    )
+    evidence = "The model output's std (fc2) grows by orders of magnitude after the onset."
+    fix = "Gradient-norm clipping (max_norm=0.1) bounds every update, so the scale stays put."
+    panels = (
+        Panel("fc2", "output", "std", log_scale=True),
+        Panel("fc1", "output", "std", log_scale=True),
+    )
+    lr = 0.02
+    lr_factor: ClassVar[float] = 36.0
+    max_norm: ClassVar[float] = 0.1
+
+    def build_model(self, variant: Variant) -> nn.Module:
+        return MLP(IN_FEATURES, HIDDEN, nn.Tanh())
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=self.lr)
+
+    def start_fault(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * self.lr_factor
+
+    def before_step(self, model: nn.Module, variant: Variant) -> None:
+        if variant == "fixed":
+            nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)
+
+
+class Nonfinite(Problem):
+    name = "nonfinite"
+    fault = (
+        "One input feature goes constant (a dead sensor reading 0), so batch standardization "
+        "divides 0 by a zero std and NaN enters the network."
+    )
+    evidence = (
+        "nonfinite_fraction appears in the standardization output, then fills fc1 and every "
+        "layer once the NaN gradients reach the weights."
+    )
+    fix = "Clamp the standard deviation at eps=1e-5 before dividing."
+    panels = (
+        Panel("standardize", "output", "nonfinite_fraction"),
+        Panel("fc2", "output", "nonfinite_fraction"),
+    )
+
+    def build_model(self, variant: Variant) -> nn.Module:
+        return StandardizedMLP(IN_FEATURES, HIDDEN, eps=1e-5 if variant == "fixed" else 0.0)
+
+    def inputs(self, x: torch.Tensor, *, faulty: bool) -> torch.Tensor:
+        if not faulty:
+            return x
+        x = x.clone()
+        x[:, 0] = 0.0
+        return x
+
+
+class Detached(Problem):
+    name = "detached"
+    fault = (
+        "A feature bank switched on at the onset stores the trunk features with "
+        "`h = h.detach()`, cutting the head's input off from the trunk."
+    )
+    evidence = (
+        "The trunk layers' output_gradient rows stop after the onset (drawn as gaps), while the "
+        "head's gradient rows continue."
+    )
+    fix = "Store `h.detach()` in the bank and keep training on `h`."
+    panels = (
+        Panel("trunk.0", "output_gradient", "std", log_scale=True),
+        Panel("head", "output_gradient", "std", log_scale=True),
+    )
+
+    def build_model(self, variant: Variant) -> nn.Module:
+        return FeatureBankNet(IN_FEATURES, HIDDEN, detach_in_place=variant != "fixed")
+
+    def start_fault(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        assert isinstance(model, FeatureBankNet)
+        model.bank_enabled = True
+
+
+PROBLEMS: dict[str, Problem] = {
+    p.name: p for p in (InactiveRelu(), Saturation(), ScaleGrowth(), Nonfinite(), Detached())
+}
+"""Every experiment by name, in the order the main job runs them."""

@@ -1,0 +1,256 @@
+"""The ``ti`` command: ``ti summary DIR``, ``ti validate DIR``, ``ti consolidate DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from ti_io.config import HistoryConfig
+from ti_io.consolidate import consolidate
+from ti_io.errors import NothingToConsolidateError
+from ti_io.facts import read_catalog, read_run_facts
+from ti_io.layout import (
+    HISTOGRAM_PARTS,
+    HISTOGRAMS_FILE,
+    HISTORY_FILE,
+    HISTORY_PARTS,
+    INDEX_FILE,
+    RANK_DIR,
+    RESULT_FILE,
+    list_parts,
+)
+from ti_io.readers import scan_history
+from ti_io.result_json import TENSOR_KEYS, aggregate
+
+
+def display_name(name: str) -> str:
+    """A layer name safe to print in a terminal: control characters escaped, root shown."""
+    if not name:
+        return "(root)"
+    if name.isprintable():
+        return name
+    return json.dumps(name, ensure_ascii=False)[1:-1]
+
+
+def _summary_frame(directory: Path, metrics: Sequence[str], signals: Sequence[str]) -> pl.DataFrame:
+    facts = read_run_facts(directory)
+    history = scan_history(directory)
+    if metrics:
+        history = history.filter(pl.col("metric").is_in(list(metrics)))
+    if signals:
+        history = history.filter(pl.col("signal").is_in(list(signals)))
+    keys = [*TENSOR_KEYS, "metric"]
+    latest = history.group_by(keys).agg(
+        pl.col("value").sort_by("sample_id").last().alias("latest"),
+        pl.col("sample_id").max().alias("latest_sample"),
+    )
+    table = (
+        aggregate(history, facts.window)
+        .join(latest, on=keys, how="left")
+        .select(
+            *keys,
+            "latest_sample",
+            "latest",
+            "mean",
+            "std",
+            "min",
+            "p50",
+            "max",
+            "recent_window_mean",
+            "observations",
+            "unavailable",
+        )
+        .collect()
+    )
+    catalog = facts.layers or read_catalog(directory) or ()
+    order = {info.name: i for i, info in enumerate(catalog)}
+    metric_order = {m: i for i, m in enumerate(facts.metrics)}
+    executed = set(table.get_column("layer").to_list())
+    missing = [info.name for info in catalog if info.name not in executed]
+    table = table.with_columns(
+        pl.col("layer").replace_strict(order, default=len(order), return_dtype=pl.Int64)
+        .alias("_layer_order"),
+        pl.col("metric")
+        .replace_strict(metric_order, default=len(metric_order), return_dtype=pl.Int64)
+        .alias("_metric_order"),
+    ).sort("_layer_order", "layer", "call_index", "signal", "tensor_path", "_metric_order")
+    table = table.drop("_layer_order", "_metric_order").with_columns(
+        pl.col("layer").map_elements(display_name, return_dtype=pl.String),
+        pl.col("tensor_path").map_elements(
+            lambda p: display_name(p) if p else "", return_dtype=pl.String
+        ),
+    )
+    for column in ("mode", "grad_enabled", "tensor_path"):
+        if table.get_column(column).n_unique() <= 1:
+            table = table.drop(column)  # one context for the whole run: nothing to show
+    table = table.rename({"call_index": "call", "latest_sample": "sample"})
+    if missing:
+        unexecuted = pl.DataFrame(
+            {"layer": [display_name(n) for n in missing], "signal": ["(not executed)"] * len(missing)}
+        )
+        table = pl.concat([table, unexecuted], how="diagonal_relaxed")
+    return table
+
+
+def _summary(args: argparse.Namespace) -> int:
+    directory = Path(args.dir)
+    table = _summary_frame(directory, args.metric or [], args.signal or [])
+    live = not (directory / HISTORY_FILE).is_file()
+    status = "live or unconsolidated (from history.parts)" if live else "finalized"
+    print(f"{directory}: {status}")
+    with pl.Config(
+        tbl_rows=-1,
+        tbl_cols=-1,
+        tbl_width_chars=240,
+        fmt_str_lengths=48,
+        tbl_hide_dataframe_shape=True,
+        tbl_hide_column_data_types=True,
+        float_precision=6,
+    ):
+        print(table)
+    return 0
+
+
+def _validation_problems(directory: Path) -> list[str]:
+    from ti_schema.errors import SchemaMismatchError
+    from ti_schema.result_json import result_json_problems
+    from ti_schema.validate import validate_histograms, validate_history
+
+    problems: list[str] = []
+
+    def check_parquet(path: Path, histograms: bool) -> None:
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:
+            problems.append(f"{path}: cannot be read as Parquet ({exc})")
+            return
+        try:
+            (validate_histograms if histograms else validate_history)(table)
+        except SchemaMismatchError as error:
+            problems.extend(f"{path}: {m}" for m in error.mismatches)
+
+    history = directory / HISTORY_FILE
+    parts = list_parts(directory / HISTORY_PARTS)
+    if history.is_file():
+        check_parquet(history, False)
+    elif not parts and not (directory / HISTORY_PARTS).is_dir():
+        problems.append(f"{history}: missing")
+    for part in parts:
+        check_parquet(part, False)
+    histograms = directory / HISTOGRAMS_FILE
+    if histograms.is_file():
+        check_parquet(histograms, True)
+    for part in list_parts(directory / HISTOGRAM_PARTS):
+        check_parquet(part, True)
+    result = directory / RESULT_FILE
+    try:
+        data = json.loads(
+            result.read_text(encoding="utf-8"),
+            parse_constant=lambda token: (_ for _ in ()).throw(
+                ValueError(f"{token} is not strict JSON")
+            ),
+        )
+    except FileNotFoundError:
+        problems.append(f"{result}: missing")
+    except ValueError as exc:
+        problems.append(f"{result}: not strict JSON ({exc})")
+    else:
+        problems.extend(f"{result}: {m}" for m in result_json_problems(data))
+    if not (directory / INDEX_FILE).is_file():
+        problems.append(f"{directory / INDEX_FILE}: missing")
+    return problems
+
+
+def _validate(args: argparse.Namespace) -> int:
+    root = Path(args.dir)
+    if not root.is_dir():
+        print(f"ti validate: {root} is not a directory", file=sys.stderr)
+        return 1
+    ranks = sorted(c for c in root.iterdir() if c.is_dir() and RANK_DIR.fullmatch(c.name))
+    problems: list[str] = []
+    for directory in ranks or [root]:
+        problems += _validation_problems(directory)
+    if problems:
+        print(f"{root}: {len(problems)} problem(s)")
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1
+    print("ok")
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    config = HistoryConfig(window=args.window) if args.window is not None else None
+    try:
+        done = consolidate(args.dir, history_config=config, force=args.force)
+    except (NothingToConsolidateError, RuntimeError) as exc:
+        print(f"ti consolidate: {exc}", file=sys.stderr)
+        return 1
+    if done.already_done:
+        print(f"{done.directory}: already consolidated ({done.history_rows} history rows)")
+    else:
+        print(
+            f"{done.directory}: consolidated {done.parts} parts into {done.history_rows} history "
+            f"rows and {done.histogram_rows} histogram rows"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ti", description="Read, check and finish TorchInstruments run directories."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    summary = commands.add_parser(
+        "summary", help="per-layer table of latest and aggregate values (live runs too)"
+    )
+    summary.add_argument("dir", help="a run directory (the output_dir)")
+    summary.add_argument(
+        "--metric", action="append", help="only this metric (repeatable), e.g. --metric std"
+    )
+    summary.add_argument(
+        "--signal",
+        action="append",
+        choices=("output", "output_gradient"),
+        help="only this signal (repeatable)",
+    )
+    summary.set_defaults(run=_summary)
+    validate = commands.add_parser(
+        "validate", help="check every artifact against ti-schema; exit 1 listing mismatches"
+    )
+    validate.add_argument("dir", help="a run directory, or a directory of rank-NNN runs")
+    validate.set_defaults(run=_validate)
+    finish = commands.add_parser(
+        "consolidate", help="finish an interrupted run from its parts (what removal does)"
+    )
+    finish.add_argument("dir", help="the run directory holding history.parts/")
+    finish.add_argument(
+        "--window", type=int, default=None, help="result.json window (default: the run's)"
+    )
+    finish.add_argument(
+        "--force",
+        action="store_true",
+        help="consolidate even if the process that wrote the run seems alive",
+    )
+    finish.set_defaults(run=_consolidate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ti`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"ti {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Finalization: parts -> history.parquet and histograms.parquet, then result.json, index.md.
+
+Shared by ``DirectorySink.close`` and by ``consolidate`` (after a crash). The parts are the
+source of truth until they are retired, so a finalization interrupted at any point can simply
+be run again. Memory stays bounded: parts are streamed one at a time into a ``ParquetWriter``
+and aggregates come from a Polars lazy scan of the written file.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+from ti_schema import histogram_schema, history_schema
+
+from ti_io.config import HistoryConfig
+from ti_io.errors import NothingToConsolidateError
+from ti_io.facts import RunFacts, read_run_facts
+from ti_io.index_md import history_facts, write_index
+from ti_io.layout import (
+    HISTOGRAM_PARTS,
+    HISTOGRAMS_FILE,
+    HISTORY_FILE,
+    HISTORY_PARTS,
+    RANK_DIR,
+    RESULT_FILE,
+    list_parts,
+    publish_with,
+    retire_dir,
+)
+from ti_io.result_json import aggregate, build_records, write_result_json
+
+FINAL_COMPRESSION: Final[str] = "zstd"
+ROW_GROUP_ROWS: Final[int] = 131_072
+"""Rows gathered from parts before a row group is written: bounds finalization memory."""
+
+
+@dataclass(frozen=True)
+class Consolidated:
+    """What a finalization did."""
+
+    directory: Path
+    history_rows: int
+    histogram_rows: int
+    parts: int
+    already_done: bool = False
+
+
+def _stream_parts(parts: list[Path], final: Path, schema: pa.Schema) -> int:
+    """Concatenate ``parts`` into ``final`` part by part; returns the rows written."""
+    rows = 0
+
+    def write(tmp: Path) -> None:
+        nonlocal rows
+        with pq.ParquetWriter(tmp, schema, compression=FINAL_COMPRESSION) as writer:
+            pending: list[pa.Table] = []
+            pending_rows = 0
+            for part in parts:
+                table = pq.read_table(part).cast(schema)
+                pending.append(table)
+                pending_rows += table.num_rows
+                if pending_rows >= ROW_GROUP_ROWS:
+                    writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
+                    rows += pending_rows
+                    pending, pending_rows = [], 0
+            if pending:
+                writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
+                rows += pending_rows
+
+    publish_with(final, write)
+    return rows
+
+
+def _producer(facts: RunFacts) -> str:
+    return facts.producer or "ti-io (producer unknown)"
+
+
+def finalize(directory: Path, facts: RunFacts) -> Consolidated:
+    """Write the final artifacts of ``directory`` from its parts (or its existing
+    history.parquet when no parts are left), then retire the parts."""
+    history_path = directory / HISTORY_FILE
+    histograms_path = directory / HISTOGRAMS_FILE
+    history_parts = list_parts(directory / HISTORY_PARTS)
+    histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
+    producer = _producer(facts)
+    if history_parts or not history_path.exists():
+        history_rows = _stream_parts(history_parts, history_path, history_schema(producer))
+    else:
+        history_rows = pq.read_metadata(history_path).num_rows
+    if histogram_parts or not histograms_path.exists():
+        histogram_rows = _stream_parts(
+            histogram_parts, histograms_path, histogram_schema(producer)
+        )
+    else:
+        histogram_rows = pq.read_metadata(histograms_path).num_rows
+
+    history = pl.scan_parquet(history_path)
+    aggregated = aggregate(history, facts.window).collect()
+    records = build_records(facts.layers, aggregated, window=facts.window, metrics=facts.metrics)
+    write_result_json(directory / RESULT_FILE, records)
+    write_index(
+        directory,
+        facts,
+        history_facts(history, pl.scan_parquet(histograms_path)),
+        live=False,
+    )
+    retire_dir(directory / HISTORY_PARTS)
+    retire_dir(directory / HISTOGRAM_PARTS)
+    return Consolidated(
+        directory, history_rows, histogram_rows, len(history_parts) + len(histogram_parts)
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def consolidate(
+    output_dir: str | os.PathLike[str],
+    *,
+    history_config: HistoryConfig | None = None,
+    force: bool = False,
+) -> Consolidated:
+    """Finish an interrupted run: what removing the observer would have done.
+
+    Streams ``history.parts/`` and ``histograms.parts/`` into the final Parquet files, rebuilds
+    result.json (layer catalog from the result.json written at attach) and index.md, then
+    removes the parts. Idempotent: a finalized directory is left as it is
+    (``already_done=True``). ``history_config``: window for result.json (default: the run's
+    own). ``force``: consolidate even though the process that wrote the run still seems alive.
+    Raises NothingToConsolidateError for a directory that holds no run.
+    """
+    directory = Path(output_dir)
+    if history_config is not None and not isinstance(history_config, HistoryConfig):
+        raise TypeError(
+            "consolidate(history_config=...) takes a ti_io.HistoryConfig, "
+            f"got {type(history_config).__name__}"
+        )
+    if not directory.is_dir():
+        raise NothingToConsolidateError(
+            f"consolidate({str(directory)!r}): no such directory; pass the output_dir of a run"
+        )
+    has_parts = (directory / HISTORY_PARTS).is_dir() or (directory / HISTOGRAM_PARTS).is_dir()
+    if not has_parts:
+        if (directory / HISTORY_FILE).is_file():
+            rows = pq.read_metadata(directory / HISTORY_FILE).num_rows
+            hist = directory / HISTOGRAMS_FILE
+            hist_rows = pq.read_metadata(hist).num_rows if hist.is_file() else 0
+            return Consolidated(directory, rows, hist_rows, 0, already_done=True)
+        ranks = sorted(c.name for c in directory.iterdir() if RANK_DIR.fullmatch(c.name))
+        if ranks:
+            raise NothingToConsolidateError(
+                f"{directory} holds rank-private runs ({', '.join(ranks[:4])}"
+                f"{', ...' if len(ranks) > 4 else ''}); consolidate each rank directory, e.g. "
+                f"`ti consolidate {directory / ranks[0]}`"
+            )
+        raise NothingToConsolidateError(
+            f"{directory} holds no TorchInstruments run to consolidate: neither "
+            f"{HISTORY_PARTS}/ nor {HISTORY_FILE} is there"
+        )
+    facts = read_run_facts(
+        directory, window=history_config.window if history_config is not None else None
+    )
+    if (
+        not force
+        and facts.pid is not None
+        and facts.pid != os.getpid()
+        and facts.host == socket.gethostname()
+        and _alive(facts.pid)
+    ):
+        raise RuntimeError(
+            f"{directory} is still being written by process {facts.pid} on this host; "
+            "remove the observer in that process (it finalizes the run), or pass force=True "
+            "(`ti consolidate --force`) if that process is not the writer any more"
+        )
+    return finalize(directory, facts)

@@ -1,0 +1,293 @@
+"""DirectorySink: the run directory (history, histograms, result.json, index.md, TensorBoard).
+
+Lifecycle (the observer owns it): constructed by the user or by ``output_dir=`` (arguments
+checked, no I/O); ``open`` claims the directory, publishes the layer catalog and index.md and
+starts the background writer; ``write_*`` run on the training thread and only buffer and
+enqueue; ``close`` drains the writer and finalizes (see :mod:`ti_io.consolidate`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from pathlib import Path
+from typing import Final
+
+import pyarrow as pa
+from ti_core.sink import RunInfo
+from ti_schema import histogram_schema, history_schema
+
+from ti_io.config import HistoryConfig
+from ti_io.consolidate import finalize
+from ti_io.errors import ArtifactWriteError
+from ti_io.facts import RunFacts, write_run_file
+from ti_io.index_md import write_index
+from ti_io.layout import (
+    HISTOGRAM_PARTS,
+    HISTORY_PARTS,
+    RESULT_FILE,
+    TENSORBOARD_DIR,
+    present_artifacts,
+    remove_run_artifacts,
+)
+from ti_io.parts import PartWriter, WriteFailure
+from ti_io.result_json import build_records, write_result_json
+from ti_io.tensorboard_sink import EventFileHistograms
+
+_STRING: Final[pa.DataType] = pa.string()
+
+
+def _check_schema(batch: pa.RecordBatch, expected: pa.Schema, what: str) -> None:
+    builder = "history_schema" if what == "write_history" else "histogram_schema"
+    names = batch.schema.names
+    if names != expected.names:
+        raise ValueError(
+            f"DirectorySink.{what}: batch columns {names} differ from the contract's "
+            f"{expected.names}; build batches with ti_schema.{builder}()"
+        )
+    for field, want in zip(batch.schema, expected, strict=True):
+        typ = field.type
+        if typ == want.type:
+            continue
+        if want.type == _STRING and pa.types.is_dictionary(typ) and typ.value_type == _STRING:
+            continue
+        raise ValueError(
+            f"DirectorySink.{what}: column {field.name!r} has type {typ}; the contract "
+            f"(ti_schema.{builder}()) says {want.type}"
+        )
+
+
+def _report(directory: Path, failures: list[WriteFailure]) -> ArtifactWriteError:
+    lost: dict[str, int] = {}
+    for f in failures:
+        lost[f.what] = lost.get(f.what, 0) + f.rows_lost
+    first = failures[0]
+    paths = tuple(dict.fromkeys(str(f.path) for f in failures))
+    losses = ", ".join(f"{n} {what}" for what, n in lost.items() if n)
+    more = f" (and {len(failures) - 1} more failed writes)" if len(failures) > 1 else ""
+    return ArtifactWriteError(
+        f"could not write {first.path}: {first.cause}{more}; lost {losses or 'nothing'}. "
+        f"Everything already published in {directory} stays readable.",
+        paths=paths,
+        rows_lost=sum(f.rows_lost for f in failures if f.what != "TensorBoard histograms"),
+    )
+
+
+class DirectorySink:
+    """Writes a run's artifacts under ``output_dir`` (DESIGN §1, §3, §5 step 6).
+
+    ``output_dir``: the run directory (``output_dir/rank-NNN`` when the run is rank-private).
+    ``history_config``: part size and result.json window. ``overwrite``: replace the artifacts
+    of a previous run in the same directory (only those; other files stay). Without it a
+    directory holding a run is refused at ``open``, before anything is touched.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike[str],
+        *,
+        history_config: HistoryConfig | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        if not isinstance(output_dir, str | os.PathLike):
+            raise TypeError(
+                "DirectorySink(output_dir) takes a str or os.PathLike path, "
+                f"got {type(output_dir).__name__}"
+            )
+        if isinstance(output_dir, str) and not output_dir:
+            raise ValueError("DirectorySink(output_dir) must not be empty; pass e.g. 'stats'")
+        if history_config is None:
+            history_config = HistoryConfig()
+        if not isinstance(history_config, HistoryConfig):
+            raise TypeError(
+                "DirectorySink(history_config=...) takes a ti_io.HistoryConfig, "
+                f"got {type(history_config).__name__}"
+            )
+        if not isinstance(overwrite, bool):
+            raise TypeError(
+                f"DirectorySink(overwrite=...) must be True or False, got {overwrite!r}"
+            )
+        self.output_dir = Path(output_dir)
+        self.history_config = history_config
+        self.overwrite = overwrite
+        self._directory: Path | None = None
+        self._facts: RunFacts | None = None
+        self._writer: PartWriter | None = None
+        self._history_schema: pa.Schema | None = None
+        self._histogram_schema: pa.Schema | None = None
+        self._buffer: list[pa.RecordBatch] = []
+        self._buffered_rows = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def directory(self) -> Path:
+        """The run directory resolved at ``open`` (``output_dir`` or its rank subdirectory)."""
+        if self._directory is None:
+            raise RuntimeError("DirectorySink.directory is known only after open()")
+        return self._directory
+
+    def __repr__(self) -> str:
+        return (
+            f"DirectorySink({str(self.output_dir)!r}, history_config={self.history_config!r}, "
+            f"overwrite={self.overwrite})"
+        )
+
+    # -- Sink protocol ---------------------------------------------------------------------
+
+    def open(self, run: RunInfo) -> None:
+        """Claim the directory, publish the catalog and index.md, start the writer."""
+        if self._directory is not None:
+            raise RuntimeError(f"{self!r} is already open; use one DirectorySink per run")
+        directory = self._resolve(run)
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(
+                f"output_dir {str(directory)!r} exists and is not a directory; "
+                "choose another output_dir"
+            )
+        found = present_artifacts(directory)
+        if found and not self.overwrite:
+            raise FileExistsError(
+                f"{directory} already holds a TorchInstruments run ({', '.join(found)}); "
+                "choose another output_dir, delete that run, or pass "
+                "sink=DirectorySink(..., overwrite=True) to replace it"
+            )
+        directory.mkdir(parents=True, exist_ok=True)
+        if found:
+            remove_run_artifacts(directory)
+        facts = RunFacts.from_run(run, self.history_config.window)
+        try:
+            (directory / HISTORY_PARTS).mkdir()
+            (directory / HISTOGRAM_PARTS).mkdir()
+            write_run_file(directory, facts)
+            write_result_json(
+                directory / RESULT_FILE,
+                build_records(facts.layers, None, window=facts.window, metrics=facts.metrics),
+            )
+            write_index(directory, facts, None, live=True)
+            events = EventFileHistograms(directory / TENSORBOARD_DIR)
+        except BaseException:
+            remove_run_artifacts(directory)  # only what this open created
+            raise
+        self._history_schema = history_schema(run.producer)
+        self._histogram_schema = histogram_schema(run.producer)
+        self._writer = PartWriter(
+            directory,
+            self._history_schema,
+            self._histogram_schema,
+            histogram_part_rows=self.history_config.buffer_rows,
+            events=events,
+        )
+        self._directory = directory
+        self._facts = facts
+        _live_sinks.add(self)
+
+    def write_history(self, batch: pa.RecordBatch) -> None:
+        """Buffer ``batch``; hand a chunk to the writer every ``buffer_rows`` rows.
+
+        Raises ArtifactWriteError after accepting the batch when an earlier write failed.
+        """
+        writer = self._require_open("write_history")
+        assert self._history_schema is not None
+        _check_schema(batch, self._history_schema, "write_history")
+        chunk: list[pa.RecordBatch] | None = None
+        with self._lock:
+            if batch.num_rows:
+                self._buffer.append(batch)
+                self._buffered_rows += batch.num_rows
+            if self._buffered_rows >= self.history_config.buffer_rows:
+                chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
+        if chunk:
+            writer.submit_history(chunk)
+        self._raise_failures(writer)
+
+    def write_histograms(self, batch: pa.RecordBatch) -> None:
+        """Hand ``batch`` to the writer (TensorBoard now, histogram parts in chunks)."""
+        writer = self._require_open("write_histograms")
+        assert self._histogram_schema is not None
+        _check_schema(batch, self._histogram_schema, "write_histograms")
+        if batch.num_rows:
+            writer.submit_histograms(batch)
+        self._raise_failures(writer)
+
+    def close(self) -> None:
+        """Publish the buffered rows, stop the writer, finalize the artifacts. Once only.
+
+        Finalization runs even after write failures, from whatever parts exist; the failures
+        are raised afterwards as one ArtifactWriteError.
+        """
+        if self._closed or self._writer is None:
+            self._closed = True
+            return
+        self._closed = True
+        _live_sinks.discard(self)
+        writer = self._writer
+        failures: list[WriteFailure] = []
+        try:
+            self._drain(writer)
+        finally:
+            failures += writer.take_errors()
+        assert self._directory is not None and self._facts is not None
+        try:
+            finalize(self._directory, self._facts)
+        except Exception as exc:
+            if not failures:
+                raise
+            failures.append(WriteFailure(self._directory, exc, 0, "final artifacts"))
+        if failures:
+            raise _report(self._directory, failures)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _resolve(self, run: RunInfo) -> Path:
+        subdir = run.rank_subdir
+        if subdir is None:
+            return self.output_dir
+        if not subdir or subdir in (".", "..") or "/" in subdir or "\\" in subdir:
+            raise ValueError(
+                f"RunInfo.rank_subdir must be one plain directory name such as 'rank-001', "
+                f"got {subdir!r}"
+            )
+        return self.output_dir / subdir
+
+    def _require_open(self, what: str) -> PartWriter:
+        if self._writer is None:
+            raise RuntimeError(f"DirectorySink.{what} called before open()")
+        if self._closed:
+            raise RuntimeError(f"DirectorySink.{what} called after close()")
+        return self._writer
+
+    def _raise_failures(self, writer: PartWriter) -> None:
+        failures = writer.take_errors()
+        if failures:
+            assert self._directory is not None
+            raise _report(self._directory, failures)
+
+    def _drain(self, writer: PartWriter) -> None:
+        with self._lock:
+            chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
+        if chunk:
+            writer.submit_history(chunk)
+        writer.stop()
+
+    def _flush_at_exit(self) -> None:
+        """Interpreter exit without removal: publish buffered rows as parts (no finalization),
+        so ``ti consolidate`` recovers them."""
+        if self._closed or self._writer is None:
+            return
+        self._closed = True
+        self._drain(self._writer)
+
+
+_live_sinks: weakref.WeakSet[DirectorySink] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_live_sinks() -> None:
+    for sink in list(_live_sinks):
+        try:
+            sink._flush_at_exit()
+        except Exception:  # noqa: S110 - exit path: nothing left to report to
+            pass

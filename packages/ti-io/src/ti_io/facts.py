@@ -1,0 +1,156 @@
+"""Run facts the artifacts describe, and where they live between open and consolidation.
+
+At ``open`` the sink writes ``history.parts/run.json`` (everything in ``RunInfo`` but the layer
+catalog, plus the window length and the writing process) so that ``consolidate`` can finish a
+crashed run with the same settings. The catalog itself is result.json, written at open too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ti_core.sink import LayerInfo, RunInfo
+
+from ti_io.layout import HISTORY_PARTS, RESULT_FILE, RUN_FILE, publish_text
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What index.md and result.json need to know about a run beyond its rows."""
+
+    run_id: str | None
+    rank: int | None
+    world_size: int | None
+    producer: str | None
+    started_at: str | None
+    layers: tuple[LayerInfo, ...]
+    focus_layers: tuple[str, ...]
+    metrics: tuple[str, ...]
+    sampler: str | None
+    window: int
+    settings: Mapping[str, str] = field(default_factory=dict)
+    pid: int | None = None
+    host: str | None = None
+
+    @classmethod
+    def from_run(cls, run: RunInfo, window: int) -> RunFacts:
+        return cls(
+            run_id=run.run_id,
+            rank=run.rank,
+            world_size=run.world_size,
+            producer=run.producer,
+            started_at=run.started_at.isoformat(),
+            layers=tuple(run.layers),
+            focus_layers=tuple(run.focus_layers),
+            metrics=tuple(run.metrics),
+            sampler=run.sampler,
+            window=window,
+            settings={str(k): str(v) for k, v in run.settings.items()},
+            pid=os.getpid(),
+            host=socket.gethostname(),
+        )
+
+    def to_json(self) -> str:
+        doc = {
+            "run_id": self.run_id,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "producer": self.producer,
+            "started_at": self.started_at,
+            "focus_layers": list(self.focus_layers),
+            "metrics": list(self.metrics),
+            "sampler": self.sampler,
+            "window": self.window,
+            "settings": dict(self.settings),
+            "pid": self.pid,
+            "host": self.host,
+        }
+        return json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def _opt_str(doc: Mapping[str, Any], key: str) -> str | None:
+    value = doc.get(key)
+    return value if isinstance(value, str) else None
+
+
+def _opt_int(doc: Mapping[str, Any], key: str) -> int | None:
+    value = doc.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str_tuple(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        return ()
+    return tuple(v for v in value if isinstance(v, str))
+
+
+def write_run_file(directory: Path, facts: RunFacts) -> None:
+    publish_text(directory / HISTORY_PARTS / RUN_FILE, facts.to_json())
+
+
+def read_catalog(directory: Path) -> tuple[LayerInfo, ...] | None:
+    """The layer catalog recorded in result.json, or None when it is missing or unreadable."""
+    try:
+        data = json.loads((directory / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, list):
+        return None
+    layers = []
+    for record in data:
+        if not isinstance(record, dict) or not isinstance(record.get("layer"), str):
+            return None
+        module_type = record.get("type")
+        layers.append(
+            LayerInfo(
+                name=record["layer"],
+                module_type=module_type if isinstance(module_type, str) else "",
+                aliases=_str_tuple(record.get("aliases")),
+            )
+        )
+    return tuple(layers)
+
+
+def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
+    """Facts of the run in ``directory`` from run.json and result.json (best effort)."""
+    try:
+        doc = json.loads((directory / HISTORY_PARTS / RUN_FILE).read_text(encoding="utf-8"))
+        if not isinstance(doc, dict):
+            doc = {}
+    except (OSError, ValueError):
+        doc = {}
+    settings = doc.get("settings")
+    stored_window = _opt_int(doc, "window")
+    facts = RunFacts(
+        run_id=_opt_str(doc, "run_id"),
+        rank=_opt_int(doc, "rank"),
+        world_size=_opt_int(doc, "world_size"),
+        producer=_opt_str(doc, "producer"),
+        started_at=_opt_str(doc, "started_at"),
+        layers=read_catalog(directory) or (),
+        focus_layers=_str_tuple(doc.get("focus_layers")),
+        metrics=_str_tuple(doc.get("metrics")),
+        sampler=_opt_str(doc, "sampler"),
+        window=stored_window if stored_window and stored_window > 0 else 20,
+        settings={str(k): str(v) for k, v in settings.items()} if isinstance(settings, dict) else {},
+        pid=_opt_int(doc, "pid"),
+        host=_opt_str(doc, "host"),
+    )
+    return replace(facts, window=window) if window is not None else facts
+
+
+def started_at_text(value: str | None) -> str:
+    """ISO timestamp as written, or 'unknown'."""
+    if value is None:
+        return "unknown"
+    try:
+        return datetime.fromisoformat(value).isoformat()
+    except ValueError:
+        return value

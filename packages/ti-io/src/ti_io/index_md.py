@@ -1,0 +1,375 @@
+"""index.md: what a run measured and how to query it, for a person or an LLM new to the project.
+
+Module names are arbitrary strings (``/``, ``..``, newlines, Markdown, HTML). They never appear
+in Markdown prose: only inside fenced code blocks, and there as JSON string literals with
+non-ASCII escaped (``json.dumps``), which are also valid Python literals. A literal never
+contains a newline or starts a line, so it cannot close a fence or inject markup. Other
+variable text in prose goes through :func:`md_escape`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Final
+
+import polars as pl
+from ti_schema import METRIC_DEFINITIONS, SCHEMA_VERSION, histogram_schema, history_schema
+
+from ti_io.facts import RunFacts, started_at_text
+from ti_io.layout import publish_text
+
+_MD_SPECIAL: Final[re.Pattern[str]] = re.compile(
+    r"([\\`*\[\]<>|~&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))"
+)
+_UNAVAILABLE_LINES: Final[int] = 40
+
+
+def md_escape(text: str) -> str:
+    """``text`` safe inside a Markdown table cell: one line; characters that could start
+    markup there (code, emphasis, links, HTML, entities, cell breaks) backslash-escaped."""
+    return _MD_SPECIAL.sub(r"\\\1", " ".join(text.splitlines()))
+
+
+def literal(text: str) -> str:
+    """A one-line JSON (and Python) string literal of ``text``, ASCII only."""
+    return json.dumps(text, ensure_ascii=True)
+
+
+@dataclass(frozen=True)
+class HistoryFacts:
+    """Counts read from the history, for index.md."""
+
+    rows: int = 0
+    samples: int = 0
+    first_sample: int | None = None
+    last_sample: int | None = None
+    first_time: datetime | None = None
+    last_time: datetime | None = None
+    layer_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """layer -> (rows, unavailable rows)."""
+    unavailable: list[tuple[str, str, str, str, int]] = field(default_factory=list)
+    """(layer, signal, metric, reason, rows), most frequent first, truncated."""
+    unavailable_total: int = 0
+    histograms: int | None = None
+
+
+def history_facts(history: pl.LazyFrame, histograms: pl.LazyFrame | None) -> HistoryFacts:
+    """Count rows, samples, time span and unavailable values of a history."""
+    overall = history.select(
+        pl.len().alias("rows"),
+        pl.col("sample_id").n_unique().alias("samples"),
+        pl.col("sample_id").min().alias("first_sample"),
+        pl.col("sample_id").max().alias("last_sample"),
+        pl.col("timestamp").min().alias("first_time"),
+        pl.col("timestamp").max().alias("last_time"),
+        pl.col("value").null_count().alias("unavailable"),
+    ).collect()
+    top = overall.row(0, named=True)
+    per_layer = (
+        history.group_by("layer")
+        .agg(pl.len().alias("rows"), pl.col("value").null_count().alias("unavailable"))
+        .collect()
+    )
+    missing = (
+        history.filter(pl.col("value").is_null())
+        .group_by("layer", "signal", "metric", "unavailable_reason")
+        .agg(pl.len().alias("rows"))
+        .sort(["rows", "layer", "signal", "metric"], descending=[True, False, False, False])
+        .head(_UNAVAILABLE_LINES)
+        .collect()
+    )
+    hist_rows = None
+    if histograms is not None:
+        hist_rows = int(histograms.select(pl.len()).collect().item())
+    return HistoryFacts(
+        rows=int(top["rows"]),
+        samples=int(top["samples"]),
+        first_sample=top["first_sample"],
+        last_sample=top["last_sample"],
+        first_time=top["first_time"],
+        last_time=top["last_time"],
+        layer_rows={
+            r["layer"]: (int(r["rows"]), int(r["unavailable"]))
+            for r in per_layer.iter_rows(named=True)
+        },
+        unavailable=[
+            (r["layer"], r["signal"], r["metric"], r["unavailable_reason"] or "", int(r["rows"]))
+            for r in missing.iter_rows(named=True)
+        ],
+        unavailable_total=int(top["unavailable"]),
+        histograms=hist_rows,
+    )
+
+
+def _fence(lines: Sequence[str], info: str = "text") -> list[str]:
+    return [f"```{info}", *lines, "```", ""]
+
+
+def _columns_table(schema_name: str, schema: object) -> list[str]:
+    import pyarrow as pa
+
+    assert isinstance(schema, pa.Schema)
+    out = [
+        f"Columns of `{schema_name}`:",
+        "",
+        "| column | Arrow type | nullable | meaning |",
+        "|---|---|---|---|",
+    ]
+    for f in schema:
+        doc = (f.metadata or {}).get(b"doc", b"").decode()
+        out.append(
+            f"| `{f.name}` | `{f.type}` | {'yes' if f.nullable else 'no'} | {md_escape(doc)} |"
+        )
+    return [*out, ""]
+
+
+def _layer_block(facts: RunFacts, data: HistoryFacts | None) -> list[str]:
+    focus = set(facts.focus_layers)
+    names = [info.name for info in facts.layers]
+    extra = sorted(set(data.layer_rows) - set(names)) if data else []
+    types = {info.name: info.module_type for info in facts.layers}
+    aliases = {info.name: list(info.aliases) for info in facts.layers}
+    rows = [("#", "layer", "type", "rows", "unavailable", "histograms", "aliases")]
+    for i, name in enumerate([*names, *extra]):
+        count, missing = data.layer_rows.get(name, (0, 0)) if data else (0, 0)
+        rows.append(
+            (
+                str(i),
+                literal(name),
+                literal(types.get(name, "?")),
+                str(count),
+                str(missing),
+                "yes" if name in focus else "no",
+                json.dumps(aliases.get(name, [])),
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return _fence(["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows])
+
+
+def _example_layers(facts: RunFacts, data: HistoryFacts | None) -> tuple[str, list[str]]:
+    executed = [i.name for i in facts.layers if data and data.layer_rows.get(i.name, (0, 0))[0]]
+    focus = list(facts.focus_layers)
+    first = (focus or executed or [i.name for i in facts.layers] or ["encoder.0"])[0]
+    compare = (focus or executed or [first])[:3]
+    return first, compare
+
+
+def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> list[str]:
+    layer, compare = _example_layers(facts, data)
+    metric = "std" if "std" in facts.metrics or not facts.metrics else facts.metrics[0]
+    run_dir = literal(str(directory))
+    code = [
+        "import json",
+        "from pathlib import Path",
+        "",
+        "import polars as pl",
+        "",
+        f"RUN = Path({run_dir})  # this directory; change it if the run was moved",
+        'history = pl.scan_parquet(RUN / "history.parquet")',
+        "",
+        "# One metric of one layer over time (always order by sample_id).",
+        "trend = (",
+        "    history.filter(",
+        f"        (pl.col(\"layer\") == {literal(layer)})",
+        '        & (pl.col("signal") == "output")',
+        f"        & (pl.col(\"metric\") == {literal(metric)})",
+        "    )",
+        '    .select("sample_id", "timestamp", "call_index", "tensor_path", "value")',
+        '    .sort("sample_id")',
+        "    .collect()",
+        ")",
+        "",
+        "# Latest value of every metric, per layer / call / signal / tensor path.",
+        "latest = (",
+        '    history.sort("sample_id")',
+        '    .group_by("layer", "call_index", "signal", "tensor_path", "metric")',
+        '    .agg(pl.col("sample_id").last(), pl.col("value").last())',
+        '    .sort("layer", "call_index", "signal", "tensor_path", "metric")',
+        "    .collect()",
+        ")",
+        "",
+        "# Side by side: the mean of each sample's metric for a few layers.",
+        "side_by_side = (",
+        "    history.filter(",
+        f"        pl.col(\"layer\").is_in([{', '.join(literal(n) for n in compare)}])",
+        f"        & (pl.col(\"metric\") == {literal(metric)})",
+        "    )",
+        '    .group_by("layer", "signal")',
+        '    .agg(pl.col("value").mean().alias("mean_over_samples"), pl.len().alias("rows"))',
+        '    .sort("layer", "signal")',
+        "    .collect()",
+        ")",
+        "",
+        "# Why values are missing.",
+        "missing = (",
+        '    history.filter(pl.col("value").is_null())',
+        '    .group_by("layer", "signal", "metric", "unavailable_reason")',
+        "    .agg(pl.len().alias(\"rows\"))",
+        '    .sort("rows", descending=True)',
+        "    .collect()",
+        ")",
+        "",
+        "# Aggregates of one layer from result.json.",
+        'records = json.loads((RUN / "result.json").read_text(encoding="utf-8"))',
+        f"record = next(r for r in records if r[\"layer\"] == {literal(layer)})",
+        "",
+        "# Histograms of the focus layers, without TensorBoard.",
+        'histograms = pl.scan_parquet(RUN / "histograms.parquet")',
+        "",
+        "# While the run is live (before removal), read the published parts instead:",
+        "# from ti_io import scan_history; live = scan_history(RUN)",
+    ]
+    return _fence(code, "python")
+
+
+def render(
+    directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live: bool
+) -> str:
+    """The text of index.md."""
+    lines = [
+        "# TorchInstruments run",
+        "",
+        "This directory holds per-layer statistics of a PyTorch model recorded by "
+        "TorchInstruments: for every selected module, statistics of its **outputs** and of the "
+        "**gradients with respect to those outputs**, sampled at some root forwards of the model. "
+        "It measures; it does not judge (no score, ranking or diagnosis).",
+        "",
+    ]
+    if live:
+        lines += [
+            "**Status: live or interrupted.** The run has not been finalized: completed chunks "
+            "of history are in `history.parts/` (read them with `ti_io.scan_history(DIR)`), "
+            "`result.json` lists the layers with empty `tensors`. Removing the observer "
+            "finalizes the run; after a crash, `ti consolidate DIR` does.",
+            "",
+        ]
+    else:
+        lines += ["**Status: finalized.**", ""]
+    window = facts.window
+    facts_block = [
+        f"run_id:        {literal(facts.run_id or 'unknown')}",
+        f"rank:          {facts.rank} of world size {facts.world_size}",
+        f"producer:      {literal(facts.producer or 'unknown')}",
+        f"schema:        ti.history / ti.histograms version {SCHEMA_VERSION}",
+        f"started_at:    {literal(started_at_text(facts.started_at))}",
+        f"sampler:       {literal(facts.sampler or 'unknown')}",
+        f"window:        {window} samples (result.json window means)",
+        f"layers:        {len(facts.layers)} selected, {len(facts.focus_layers)} with histograms",
+        f"metrics:       {', '.join(literal(m) for m in facts.metrics)}",
+    ]
+    for key, value in sorted(facts.settings.items()):
+        facts_block.append(f"setting:       {literal(key)} = {literal(value)}")
+    if data is not None:
+        span = "none"
+        if data.first_time is not None and data.last_time is not None:
+            seconds = (data.last_time - data.first_time).total_seconds()
+            span = f"{data.first_time.isoformat()} .. {data.last_time.isoformat()} ({seconds:.3f} s)"
+        facts_block += [
+            f"samples:       {data.samples} (sample_id {data.first_sample} .. {data.last_sample})",
+            f"time span:     {span}",
+            f"history rows:  {data.rows} ({data.unavailable_total} unavailable)",
+        ]
+        if data.histograms is not None:
+            facts_block.append(f"histograms:    {data.histograms} rows")
+    lines += ["## Run", "", *_fence(facts_block)]
+    lines += [
+        "## Files",
+        "",
+        "- `history.parquet`: every scalar measurement, long format (one row per sample, "
+        "layer, call, signal, tensor path and metric).",
+        "- `histograms.parquet`: the histograms of the focus layers (enough to replay them "
+        "without TensorBoard).",
+        "- `result.json`: the history aggregated per layer, call, signal, tensor path and "
+        "context (mode, grad_enabled).",
+        "- `tensorboard/`: the same histograms as TensorBoard events, one tag per layer, call, "
+        "signal and tensor path (`{layer}/call{call_index}/{signal}{tensor_path}`, unsafe "
+        "characters percent-encoded, the root module as `%root`), step = `sample_id`.",
+        "- `history.parts/`, `histograms.parts/`: completed Parquet chunks while the run is "
+        "live; removed once consolidated.",
+        "",
+        "Names of modules are arbitrary strings. In this file they appear only in code blocks, "
+        "as JSON string literals (also valid Python literals).",
+        "",
+        "## How it was measured",
+        "",
+        "A *sample* is one sampled root forward of the model (`sample_id` counts them from 0); "
+        "unsampled forwards are not measured. Each selected module call in a sampled forward "
+        "is measured (`signal` = `output`), and so is the gradient with respect to that output "
+        "when a backward reaches it (`signal` = `output_gradient`). Gradients are written when "
+        "their backward ends, possibly out of order: **always order by `sample_id`**, never "
+        "by row order or timestamp alone. A null `value` always has an `unavailable_reason`.",
+        "",
+        *_columns_table("ti.history", history_schema()),
+        "Histogram columns (`ti.histograms`) share the identity columns above and add:",
+        "",
+    ]
+    identity = set(history_schema().names)
+    hist_only = [f for f in histogram_schema() if f.name not in identity]
+    lines += [
+        "| column | Arrow type | meaning |",
+        "|---|---|---|",
+        *(
+            f"| `{f.name}` | `{f.type}` | "
+            f"{md_escape((f.metadata or {}).get(b'doc', b'').decode())} |"
+            for f in hist_only
+        ),
+        "",
+        "Metrics (values of the `metric` column):",
+        "",
+        "| metric | definition |",
+        "|---|---|",
+    ]
+    for metric in facts.metrics or tuple(METRIC_DEFINITIONS):
+        definition = METRIC_DEFINITIONS.get(metric, "custom reducer (defined by the producer)")
+        lines.append(f"| {md_escape(metric)} | {md_escape(definition)} |")
+    lines += [
+        "",
+        "## result.json",
+        "",
+        "A JSON array of layer records `{layer, type, aliases, tensors}`; every selected layer "
+        "is listed, executed or not. Each tensor `{call_index, signal, tensor_path, mode, "
+        "grad_enabled, latest_shape, dtype, statistics}`; `statistics` maps each metric to "
+        "aggregates of its per-sample values (each sample weighs the same; not a pooled "
+        "distribution of tensor entries): `observations` (samples with a value), "
+        "`unavailable` (samples without), `mean`, `std` (population), `min`, `p25`, `p50`, "
+        "`p75` (linear interpolation), `max`, `recent_window_mean` (mean of the last "
+        f"{window} observations in sample order), `previous_window_mean` (mean of the {window} "
+        "observations before those), and `unavailable_reason` (why an aggregate is null). "
+        "For example `statistics.mean.p50` is the median of the sampled tensor means. "
+        "Strict JSON: no NaN or Infinity.",
+        "",
+        "## Layers",
+        "",
+        "In traversal order; `histograms` marks the focus layers.",
+        "",
+        *_layer_block(facts, data),
+    ]
+    if data is not None and data.unavailable:
+        lines += [
+            "## Unavailable values",
+            "",
+            f"{data.unavailable_total} rows have no value; the most frequent groups:",
+            "",
+        ]
+        block = ["rows  layer / signal / metric / reason"]
+        for layer, signal, metric, reason, rows in data.unavailable:
+            block.append(
+                f"{rows:>4}  {literal(layer)} / {literal(signal)} / {literal(metric)} / "
+                f"{literal(reason)}"
+            )
+        lines += _fence(block)
+    lines += ["## Queries", "", "Ready to run (Python, Polars):", "", *_queries(directory, facts, data)]
+    return "\n".join(lines)
+
+
+def write_index(
+    directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live: bool
+) -> None:
+    """Publish index.md atomically."""
+    publish_text(directory / "index.md", render(directory.resolve(), facts, data, live=live))

@@ -1,0 +1,178 @@
+"""The background writer: publishes history and histogram chunks as Parquet parts.
+
+Ownership: one ``PartWriter`` per open ``DirectorySink``; its single thread is the only writer
+of ``history.parts/``, ``histograms.parts/`` and the sink's TensorBoard event file until
+``stop``. The queue is bounded: when the disk is slower than training, ``submit_*`` blocks the
+training thread (backpressure) instead of dropping rows or growing memory. A failed write is
+recorded (path, cause, rows lost) and reported by ``take_errors``; the thread keeps serving
+later chunks, so everything that can still be published is.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ti_io.errors import ArtifactWriteError
+from ti_io.layout import HISTOGRAM_PARTS, HISTORY_PARTS, part_name, publish_with
+from ti_io.tensorboard_sink import EventFileHistograms
+
+PART_COMPRESSION: Final[str] = "zstd"
+QUEUE_CHUNKS: Final[int] = 3
+"""Chunks that may wait for the writer before the training thread blocks."""
+
+
+@dataclass(frozen=True)
+class WriteFailure:
+    """One failed write: where, why, and how many rows it cost."""
+
+    path: Path
+    cause: BaseException
+    rows_lost: int
+    what: str
+
+
+def conform(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
+    """One table of ``batches`` in exactly ``schema`` (dictionary strings decoded)."""
+    tables = [pa.Table.from_batches([b]).cast(schema) for b in batches]
+    if not tables:
+        return schema.empty_table()
+    return pa.concat_tables(tables)
+
+
+def write_parquet(path: Path, table: pa.Table) -> None:
+    """Publish ``table`` atomically at ``path``."""
+    publish_with(path, lambda tmp: pq.write_table(table, tmp, compression=PART_COMPRESSION))
+
+
+class PartWriter:
+    """A single background thread that publishes parts (see the module docstring)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        history_schema: pa.Schema,
+        histogram_schema: pa.Schema,
+        *,
+        histogram_part_rows: int,
+        events: EventFileHistograms | None,
+    ) -> None:
+        self._history_dir = directory / HISTORY_PARTS
+        self._histogram_dir = directory / HISTOGRAM_PARTS
+        self._history_schema = history_schema
+        self._histogram_schema = histogram_schema
+        self._histogram_part_rows = histogram_part_rows
+        self._events = events
+        self._queue: queue.Queue[tuple[str, list[pa.RecordBatch]] | None] = queue.Queue(
+            QUEUE_CHUNKS
+        )
+        self._failures: list[WriteFailure] = []
+        self._lock = threading.Lock()
+        self._history_index = 0
+        self._histogram_index = 0
+        self._pending_histograms: list[pa.RecordBatch] = []
+        self._pending_histogram_rows = 0
+        self._thread = threading.Thread(target=self._run, name="ti-io-part-writer", daemon=True)
+        self._thread.start()
+
+    # -- training thread -------------------------------------------------------------------
+
+    def submit_history(self, batches: list[pa.RecordBatch]) -> None:
+        """Queue one chunk of history batches to become the next part (blocks when full)."""
+        self._put(("history", batches))
+
+    def submit_histograms(self, batch: pa.RecordBatch) -> None:
+        """Queue histograms for TensorBoard now and for the next histogram part."""
+        self._put(("histograms", [batch]))
+
+    def take_errors(self) -> list[WriteFailure]:
+        """Failures since the last call (each reported once)."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
+
+    def stop(self) -> None:
+        """Publish what is queued and pending, close the event file, join the thread."""
+        if self._thread.is_alive():
+            self._put(None)
+            self._thread.join()
+
+    def _put(self, item: tuple[str, list[pa.RecordBatch]] | None) -> None:
+        while True:
+            try:
+                self._queue.put(item, timeout=1.0)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():
+                    raise ArtifactWriteError(
+                        f"the ti-io writer thread for {self._history_dir.parent} has stopped; "
+                        "rows are not being written"
+                    ) from None
+
+    # -- writer thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._flush_histograms()
+                self._close_events()
+                return
+            kind, batches = item
+            if kind == "history":
+                self._write_history(batches)
+                self._flush_histograms()
+            else:
+                self._write_events(batches[0])
+                self._pending_histograms.append(batches[0])
+                self._pending_histogram_rows += batches[0].num_rows
+                if self._pending_histogram_rows >= self._histogram_part_rows:
+                    self._flush_histograms()
+
+    def _fail(self, path: Path, cause: BaseException, rows: int, what: str) -> None:
+        with self._lock:
+            self._failures.append(WriteFailure(path, cause, rows, what))
+
+    def _write_history(self, batches: list[pa.RecordBatch]) -> None:
+        path = self._history_dir / part_name(self._history_index)
+        self._history_index += 1
+        rows = sum(b.num_rows for b in batches)
+        try:
+            write_parquet(path, conform(batches, self._history_schema))
+        except Exception as exc:  # recorded and reported on the training thread
+            self._fail(path, exc, rows, "history rows")
+
+    def _flush_histograms(self) -> None:
+        if not self._pending_histograms:
+            return
+        batches, self._pending_histograms = self._pending_histograms, []
+        rows, self._pending_histogram_rows = self._pending_histogram_rows, 0
+        path = self._histogram_dir / part_name(self._histogram_index)
+        self._histogram_index += 1
+        try:
+            write_parquet(path, conform(batches, self._histogram_schema))
+        except Exception as exc:
+            self._fail(path, exc, rows, "histogram rows")
+
+    def _write_events(self, batch: pa.RecordBatch) -> None:
+        if self._events is None:
+            return
+        try:
+            self._events.write(batch)
+            self._events.flush()
+        except Exception as exc:
+            self._fail(self._events.path, exc, batch.num_rows, "TensorBoard histograms")
+
+    def _close_events(self) -> None:
+        if self._events is None:
+            return
+        try:
+            self._events.close()
+        except Exception as exc:
+            self._fail(self._events.path, exc, 0, "TensorBoard histograms")

@@ -1,0 +1,37 @@
+"""TensorBoard tags for arbitrary module names, escaped deterministically and reversibly.
+
+A tag is ``{layer}/call{call_index}/{signal}{tensor_path}``. Module names are arbitrary strings
+(``nn.ModuleDict`` keys may hold ``/``, ``..``, newlines, Markdown or HTML), so ``layer`` and
+``tensor_path`` are escaped: ``%``, ``/``, ``\\``, whitespace, control and other non-printable
+characters, and ``<>&"'`` followed by a backtick, become ``%XX`` (UTF-8 bytes, upper-case hex,
+as in URLs); every other character stays. The root module (empty name) is written ``%root``,
+which no escaped name can produce (``%`` is always followed by two hex digits there).
+``urllib.parse.unquote`` reverses the escaping. The only ``/`` in a tag are the two separators,
+so TensorBoard groups histograms by layer.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+ROOT_TAG: Final[str] = "%root"
+_ALWAYS: Final[frozenset[str]] = frozenset("%/\\<>&\"'`")
+
+
+def _keep(char: str) -> bool:
+    return char.isprintable() and not char.isspace() and char not in _ALWAYS
+
+
+def escape_tag_part(text: str) -> str:
+    """``text`` with every unsafe character percent-encoded (see the module docstring)."""
+    if all(_keep(c) for c in text):
+        return text
+    return "".join(
+        c if _keep(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8")) for c in text
+    )
+
+
+def histogram_tag(layer: str, call_index: int, signal: str, tensor_path: str) -> str:
+    """The TensorBoard tag of one measured tensor."""
+    name = escape_tag_part(layer) if layer else ROOT_TAG
+    return f"{name}/call{call_index}/{escape_tag_part(signal)}{escape_tag_part(tensor_path)}"

@@ -1,0 +1,208 @@
+"""Histograms as TensorBoard events: in the run directory, or in a caller-owned writer.
+
+Both paths write the same records: one legacy ``histo`` summary per focus-layer tensor, tagged
+by :func:`ti_io.tags.histogram_tag`, at ``step = sample_id`` and ``wall_time`` = the tensor's
+timestamp. Rows with no finite entries (``num == 0``) have nothing to draw and are left out of
+TensorBoard; ``histograms.parquet`` keeps them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.compat.proto.summary_pb2 import HistogramProto
+from tensorboard.summary.writer.record_writer import RecordWriter
+from ti_core.sink import RunInfo
+
+from ti_io.tags import histogram_tag
+
+
+@dataclass(frozen=True)
+class HistogramRecord:
+    """One histogram ready for TensorBoard."""
+
+    tag: str
+    step: int
+    wall_time: float
+    min: float
+    max: float
+    num: int
+    sum: float
+    sum_squares: float
+    bucket_limits: list[float]
+    bucket_counts: list[int]
+
+
+def _column(batch: pa.RecordBatch | pa.Table, name: str) -> list[Any]:
+    return batch.column(name).to_pylist()  # type: ignore[no-any-return]
+
+
+def histogram_records(batch: pa.RecordBatch | pa.Table) -> Iterator[HistogramRecord]:
+    """The drawable histograms of a ``ti.histograms`` batch, in row order."""
+    if batch.num_rows == 0:
+        return
+    micros = pc.cast(pc.cast(batch.column("timestamp"), pa.timestamp("us")), pa.int64())
+    cols = [
+        _column(batch, name)
+        for name in (
+            "layer",
+            "call_index",
+            "signal",
+            "tensor_path",
+            "sample_id",
+            "min",
+            "max",
+            "num",
+            "sum",
+            "sum_squares",
+            "bucket_limits",
+            "bucket_counts",
+        )
+    ]
+    for (layer, call, signal, path, step, lo, hi, num, total, squares, limits, counts), us in zip(
+        zip(*cols, strict=True), micros.to_pylist(), strict=True
+    ):
+        if not num:
+            continue
+        yield HistogramRecord(
+            tag=histogram_tag(layer, call, signal, path),
+            step=step,
+            wall_time=us / 1e6,
+            min=lo,
+            max=hi,
+            num=num,
+            sum=total,
+            sum_squares=squares,
+            bucket_limits=limits,
+            bucket_counts=counts,
+        )
+
+
+def _proto(record: HistogramRecord) -> HistogramProto:
+    return HistogramProto(
+        min=record.min,
+        max=record.max,
+        num=record.num,
+        sum=record.sum,
+        sum_squares=record.sum_squares,
+        bucket_limit=record.bucket_limits,
+        bucket=record.bucket_counts,
+    )
+
+
+class EventFileHistograms:
+    """An event file of our own under ``logdir``, written by the directory sink's writer thread.
+
+    Uses TensorBoard's record format (``RecordWriter``, ``event_pb2``) directly rather than
+    ``EventFileWriter``, which would start a second thread; ``flush`` hands the bytes to the
+    operating system so a killed process keeps every event flushed so far.
+    """
+
+    def __init__(self, logdir: Path) -> None:
+        logdir.mkdir(parents=True, exist_ok=True)
+        name = (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+            f"{os.getpid()}.ti"
+        )
+        self.path = logdir / name
+        self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._writer = RecordWriter(self._file)
+        first = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
+        self._writer.write(first.SerializeToString())
+        self.flush()
+
+    def write(self, batch: pa.RecordBatch | pa.Table) -> int:
+        """Append the drawable histograms of ``batch``; returns how many were written."""
+        written = 0
+        for record in histogram_records(batch):
+            event = event_pb2.Event(
+                wall_time=record.wall_time,
+                step=record.step,
+                summary=summary_pb2.Summary(
+                    value=[summary_pb2.Summary.Value(tag=record.tag, histo=_proto(record))]
+                ),
+            )
+            self._writer.write(event.SerializeToString())
+            written += 1
+        return written
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            try:
+                self._writer.flush()
+            finally:
+                self._file.close()
+
+
+class TensorBoardSink:
+    """Writes the focus layers' histograms into a caller-owned TensorBoard writer.
+
+    ``logger``: a ``torch.utils.tensorboard.SummaryWriter`` or anything with the same
+    ``add_histogram_raw``/``flush`` methods, or a Lightning ``TensorBoardLogger`` (its
+    ``experiment`` writer is used). The writer is flushed at ``close`` and never closed: it
+    belongs to the caller. Scalar history is not written here; it stays in Parquet.
+    """
+
+    def __init__(self, logger: Any) -> None:
+        if not (_is_writer(logger) or hasattr(logger, "experiment")):
+            raise TypeError(
+                "TensorBoardSink(logger) takes a torch.utils.tensorboard.SummaryWriter or a "
+                "Lightning TensorBoardLogger (anything with add_histogram_raw() and flush(), or "
+                f"an .experiment that has them); got {type(logger).__name__}"
+            )
+        self._logger = logger
+        self._writer: Any = None
+
+    def open(self, run: RunInfo) -> None:
+        """Resolve the writer (a Lightning logger creates its experiment lazily)."""
+        writer = self._logger if _is_writer(self._logger) else self._logger.experiment
+        if not _is_writer(writer):
+            raise TypeError(
+                "TensorBoardSink(logger): logger.experiment has no add_histogram_raw()/flush(); "
+                f"got {type(writer).__name__}. Pass a TensorBoard logger or a SummaryWriter."
+            )
+        self._writer = writer
+
+    def write_history(self, batch: pa.RecordBatch) -> None:
+        """Scalar history is not sent to TensorBoard (it lives in history.parquet)."""
+
+    def write_histograms(self, batch: pa.RecordBatch) -> None:
+        """Add every drawable histogram of ``batch`` to the caller's writer."""
+        if self._writer is None:
+            raise RuntimeError("TensorBoardSink.write_histograms called before open()")
+        for record in histogram_records(batch):
+            self._writer.add_histogram_raw(
+                tag=record.tag,
+                min=record.min,
+                max=record.max,
+                num=record.num,
+                sum=record.sum,
+                sum_squares=record.sum_squares,
+                bucket_limits=record.bucket_limits,
+                bucket_counts=record.bucket_counts,
+                global_step=record.step,
+                walltime=record.wall_time,
+            )
+
+    def close(self) -> None:
+        """Flush the caller's writer; never close it."""
+        if self._writer is not None:
+            self._writer.flush()
+
+
+def _is_writer(obj: Any) -> bool:
+    return callable(getattr(obj, "add_histogram_raw", None)) and callable(
+        getattr(obj, "flush", None)
+    )

@@ -1,0 +1,291 @@
+"""Conformance kit for third-party producers, sinks and readers (pyarrow and stdlib only).
+
+Each ``assert_*`` raises AssertionError listing every problem (the SchemaMismatchError is
+chained), so it reads well in pytest. ``example_history_table`` and
+``example_histogram_table`` build small valid tables for people writing readers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Final
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ti_schema.errors import SchemaMismatchError
+from ti_schema.names import DEFAULT_METRICS, FINITE_METRICS
+from ti_schema.result_json import result_json_problems
+from ti_schema.schemas import DICTIONARY_COLUMNS, histogram_schema, history_schema
+from ti_schema.validate import Nullability, validate_histograms, validate_history
+
+HISTORY_FILE: Final[str] = "history.parquet"
+HISTOGRAMS_FILE: Final[str] = "histograms.parquet"
+RESULT_FILE: Final[str] = "result.json"
+INDEX_FILE: Final[str] = "index.md"
+PARTS_DIR: Final[str] = "history.parts"
+RANK_DIR: Final[re.Pattern[str]] = re.compile(r"rank-(\d{3,})")
+"""Rank-private subdirectories: ``rank-000``, ``rank-001``, ..."""
+
+
+def _fail(error: SchemaMismatchError) -> AssertionError:
+    return AssertionError(str(error))
+
+
+def assert_history_conforms(table: Any, *, nullability: Nullability = "schema") -> None:
+    """Assert a table, batch or schema conforms to ``ti.history`` (see ``validate_history``)."""
+    try:
+        validate_history(table, nullability=nullability)
+    except SchemaMismatchError as error:
+        raise _fail(error) from error
+
+
+def assert_histograms_conform(table: Any, *, nullability: Nullability = "schema") -> None:
+    """Assert a table, batch or schema conforms to ``ti.histograms``."""
+    try:
+        validate_histograms(table, nullability=nullability)
+    except SchemaMismatchError as error:
+        raise _fail(error) from error
+
+
+def _no_constants(token: str) -> Any:
+    raise ValueError(f"{token} is not strict JSON (write null with an unavailable_reason)")
+
+
+def load_strict_json(path: str | Path) -> Any:
+    """Parse a JSON file, refusing the NaN/Infinity tokens Python's json module accepts."""
+    return json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constants)
+
+
+def assert_result_json_conforms(path_or_obj: str | Path | Any) -> None:
+    """Assert a result.json file (str or Path) or its parsed content conforms."""
+    if isinstance(path_or_obj, str | Path):
+        try:
+            data = load_strict_json(path_or_obj)
+        except (OSError, ValueError) as exc:
+            raise AssertionError(f"result.json at {path_or_obj} cannot be read: {exc}") from exc
+    else:
+        data = path_or_obj
+    problems = result_json_problems(data)
+    if problems:
+        error = SchemaMismatchError("result.json", problems)
+        raise _fail(error) from error
+
+
+def _check_parquet(
+    path: Path,
+    validate: Callable[..., None],
+    rank: int | None,
+    problems: list[str],
+) -> None:
+    try:
+        table = pq.read_table(path)
+        footer = pq.read_metadata(path).metadata
+    except (OSError, pa.ArrowException) as exc:
+        problems.append(f"{path}: cannot be read as Parquet ({exc})")
+        return
+    try:
+        # The Parquet footer holds `ti` whoever wrote the file; pyarrow's reconstructed Arrow
+        # schema lacks it for files written by Polars.
+        validate(table, metadata=footer)
+    except SchemaMismatchError as error:
+        problems.extend(f"{path}: {m}" for m in error.mismatches)
+    if rank is not None and "rank" in table.column_names and table.num_rows:
+        ranks = sorted(set(table.column("rank").to_pylist()) - {None})
+        if ranks != [rank]:
+            problems.append(f"{path}: sits in rank-{rank:03d}/ but holds rank values {ranks}")
+
+
+def _check_run_dir(directory: Path, rank: int | None, problems: list[str]) -> None:
+    history = directory / HISTORY_FILE
+    if history.is_file():
+        _check_parquet(history, validate_history, rank, problems)
+    elif (directory / PARTS_DIR).is_dir():
+        problems.append(
+            f"{history}: missing; {PARTS_DIR}/ is there, so the run was not consolidated "
+            "(run `ti consolidate DIR`)"
+        )
+    else:
+        problems.append(f"{history}: missing")
+    histograms = directory / HISTOGRAMS_FILE
+    if histograms.is_file():
+        _check_parquet(histograms, validate_histograms, rank, problems)
+    result = directory / RESULT_FILE
+    if not result.is_file():
+        problems.append(f"{result}: missing")
+    else:
+        try:
+            data = load_strict_json(result)
+        except ValueError as exc:
+            problems.append(f"{result}: not strict JSON ({exc})")
+        else:
+            problems.extend(f"{result}: {m}" for m in result_json_problems(data))
+    if not (directory / INDEX_FILE).is_file():
+        problems.append(f"{directory / INDEX_FILE}: missing")
+
+
+def assert_artifact_dir_conforms(path: str | Path) -> None:
+    """Assert a run directory holds conforming artifacts.
+
+    A run directory holds history.parquet, result.json and index.md (histograms.parquet is
+    checked when present). A directory of rank-private runs (``rank-000/``, ``rank-001/``...)
+    is checked rank by rank, and each rank's rows must carry its own ``rank``.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise AssertionError(f"{root} is not a directory")
+    ranks = sorted(
+        (int(m.group(1)), child)
+        for child in root.iterdir()
+        if child.is_dir() and (m := RANK_DIR.fullmatch(child.name))
+    )
+    problems: list[str] = []
+    if ranks:
+        for rank, child in ranks:
+            _check_run_dir(child, rank, problems)
+    else:
+        _check_run_dir(root, None, problems)
+    if problems:
+        listing = "\n".join(f"  - {p}" for p in problems)
+        raise AssertionError(f"{root} does not conform ({len(problems)} problems):\n{listing}")
+
+
+_LAYERS: Final[tuple[tuple[str, str], ...]] = (
+    ("encoder.0", "Linear"),
+    ("encoder.1", "ReLU"),
+    ("head", "Linear"),
+)
+_START: Final[datetime] = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _tensors() -> Any:
+    """Endless (sample, layer, module_type, signal) in the order a producer would emit them."""
+    sample = 0
+    while True:
+        for signal in ("output", "output_gradient"):
+            for layer, module_type in _LAYERS:
+                yield sample, layer, module_type, signal
+        sample += 1
+
+
+def example_history_table(
+    rows: int = 54, *, producer: str = "ti-schema example", dictionary: bool = False
+) -> pa.Table:
+    """A valid synthetic ``ti.history`` table of ``rows`` rows (deterministic).
+
+    Three layers (``encoder.0``, ``encoder.1``, ``head``), outputs then gradients, the default
+    metrics per tensor. The ReLU's gradient in samples 0, 3, 6... is an empty tensor, so its
+    rows show unavailable values with a reason. ``dictionary=True`` dictionary-encodes the
+    repeating string columns, as a producer may.
+    """
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    columns: dict[str, list[Any]] = {name: [] for name in history_schema().names}
+    tensors = _tensors()
+    while len(columns["run_id"]) < rows:
+        sample, layer, module_type, signal = next(tensors)
+        gradient = signal == "output_gradient"
+        empty = layer == "encoder.1" and gradient and sample % 3 == 0
+        shape = [0, 4] if empty else [8, 4]
+        for index, metric in enumerate(DEFAULT_METRICS):
+            if len(columns["run_id"]) == rows:
+                break
+            if empty:
+                value, reason = None, "empty tensor"
+            elif metric in FINITE_METRICS:
+                value, reason = round(0.1 * (index + 1) + 0.01 * sample, 6), None
+            else:
+                value, reason = 0.0, None
+            row = {
+                "run_id": "example-run",
+                "rank": 0,
+                "sample_id": sample,
+                "forward_index": 2 * sample,
+                "timestamp": _START + timedelta(seconds=sample, milliseconds=int(gradient)),
+                "layer": layer,
+                "module_type": module_type,
+                "call_index": 0,
+                "signal": signal,
+                "tensor_path": "",
+                "mode": "train",
+                "grad_enabled": True,
+                "shape": shape,
+                "dtype": "float32",
+                "metric": metric,
+                "value": value,
+                "unavailable_reason": reason,
+            }
+            for name, item in row.items():
+                columns[name].append(item)
+    table = pa.table(columns, schema=history_schema(producer))
+    return _encode(table) if dictionary else table
+
+
+def example_histogram_table(
+    rows: int = 6, *, producer: str = "ti-schema example", dictionary: bool = False
+) -> pa.Table:
+    """A valid synthetic ``ti.histograms`` table of ``rows`` rows (deterministic)."""
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    columns: dict[str, list[Any]] = {name: [] for name in histogram_schema().names}
+    tensors = _tensors()
+    for _ in range(rows):
+        sample, layer, module_type, signal = next(tensors)
+        counts = [1 + sample, 2, 1]
+        row = {
+            "run_id": "example-run",
+            "rank": 0,
+            "sample_id": sample,
+            "forward_index": 2 * sample,
+            "timestamp": _START + timedelta(seconds=sample),
+            "layer": layer,
+            "module_type": module_type,
+            "call_index": 0,
+            "signal": signal,
+            "tensor_path": "",
+            "mode": "train",
+            "grad_enabled": True,
+            "shape": [sum(counts)],
+            "dtype": "float32",
+            "bucket_limits": [-1.0, 0.0, 1.0],
+            "bucket_counts": counts,
+            "min": -1.5,
+            "max": 1.0,
+            "num": sum(counts),
+            "sum": -0.5,
+            "sum_squares": 3.25,
+            "nonfinite_count": 0,
+        }
+        for name, item in row.items():
+            columns[name].append(item)
+    table = pa.table(columns, schema=histogram_schema(producer))
+    return _encode(table) if dictionary else table
+
+
+def _encode(table: pa.Table) -> pa.Table:
+    """Dictionary-encode the repeating string columns, keeping names, nullability and metadata."""
+    for name in sorted(DICTIONARY_COLUMNS & set(table.column_names)):
+        index = table.column_names.index(name)
+        old = table.schema.field(index)
+        encoded = table.column(index).dictionary_encode()
+        table = table.set_column(index, old.with_type(encoded.type), encoded)
+    return table
+
+
+__all__ = [
+    "HISTOGRAMS_FILE",
+    "HISTORY_FILE",
+    "INDEX_FILE",
+    "RESULT_FILE",
+    "assert_artifact_dir_conforms",
+    "assert_histograms_conform",
+    "assert_history_conforms",
+    "assert_result_json_conforms",
+    "example_histogram_table",
+    "example_history_table",
+    "load_strict_json",
+]

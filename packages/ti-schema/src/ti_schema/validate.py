@@ -1,0 +1,396 @@
+"""Validation of Arrow data against ``ti.history`` and ``ti.histograms``.
+
+Checked: column names, types, nullability and the ``ti`` schema metadata (with the reader
+compatibility rule of :mod:`ti_schema.compat`); for tables and batches also the data rules
+(no nulls in not-null columns, ``value``/``unavailable_reason`` exclusivity, ``signal`` and
+``mode`` domains, histogram bucket consistency). Field-level ``doc`` metadata and column order
+are informative and never checked: engines such as Polars drop the former on a round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ti_schema.compat import MetadataSource, read_metadata, version_problems
+from ti_schema.errors import Mismatch, SchemaMismatchError
+from ti_schema.names import MODES, SIGNALS
+from ti_schema.schemas import HISTOGRAMS, HISTORY, histogram_schema, history_schema
+from ti_schema.version import SCHEMA_MAJOR, SCHEMA_MINOR
+
+Nullability = Literal["schema", "data"]
+"""How not-null columns are checked: ``"schema"`` requires the Arrow field to be declared not
+null; ``"data"`` (tables only) accepts a field declared nullable when it holds no nulls, for
+engines that drop Arrow's nullability flag (Polars marks every column nullable)."""
+
+_UTC: Final[frozenset[str]] = frozenset({"UTC", "Etc/UTC", "+00:00"})
+_NON_NEGATIVE: Final[tuple[str, ...]] = ("rank", "sample_id", "forward_index", "call_index")
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What one schema version requires; ``added_in`` maps a column to the minor that added it."""
+
+    name: str
+    schema: pa.Schema
+    version: tuple[int, int] = (SCHEMA_MAJOR, SCHEMA_MINOR)
+    added_in: Mapping[str, int] = field(default_factory=dict)
+    data_rules: Callable[[pa.Table, frozenset[str]], list[Mismatch]] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.version[0]}.{self.version[1]}"
+
+
+def _is_string(typ: pa.DataType) -> bool:
+    string_view = getattr(pa.types, "is_string_view", None)  # pyarrow >= 16
+    return bool(
+        pa.types.is_string(typ)
+        or pa.types.is_large_string(typ)
+        or (string_view is not None and string_view(typ))
+    )
+
+
+def _is_list(typ: pa.DataType) -> bool:
+    views = [getattr(pa.types, n, None) for n in ("is_list_view", "is_large_list_view")]
+    return bool(
+        pa.types.is_list(typ)
+        or pa.types.is_large_list(typ)
+        or any(v is not None and v(typ) for v in views)
+    )
+
+
+def type_matches(actual: pa.DataType, expected: pa.DataType) -> bool:
+    """Whether a column of type ``actual`` is acceptable where the contract says ``expected``.
+
+    Strings may also be large_string, string_view or dictionary-encoded (any integer index);
+    lists may be large lists or list views of the same value type; a UTC timestamp may spell
+    its zone ``UTC``, ``Etc/UTC`` or ``+00:00``. Everything else must be equal.
+    """
+    if actual == expected:
+        return True
+    if _is_string(expected):
+        if pa.types.is_dictionary(actual):
+            return bool(pa.types.is_integer(actual.index_type)) and _is_string(actual.value_type)
+        return _is_string(actual)
+    if _is_list(expected):
+        return _is_list(actual) and actual.value_type == expected.value_type
+    if pa.types.is_timestamp(expected) and pa.types.is_timestamp(actual):
+        return actual.unit == expected.unit and actual.tz in _UTC and expected.tz in _UTC
+    return False
+
+
+def _describe(f: pa.Field) -> str:
+    return f"{f.type}{'' if f.nullable else ' not null'}"
+
+
+def _as_arrow(source: Any, function: str) -> tuple[pa.Schema, pa.Table | None]:
+    if isinstance(source, pa.Schema):
+        return source, None
+    if isinstance(source, pa.Table):
+        return source.schema, source
+    if isinstance(source, pa.RecordBatch):
+        return source.schema, pa.Table.from_batches([source])
+    if hasattr(source, "__arrow_c_stream__"):
+        table = pa.table(source)
+        return table.schema, table
+    if hasattr(source, "__arrow_c_schema__"):
+        return pa.schema(source), None
+    raise TypeError(
+        f"{function}(table_or_schema) takes a pyarrow Table, RecordBatch or Schema (or an object "
+        f"exporting Arrow data, such as a polars DataFrame), got {type(source).__name__}"
+    )
+
+
+def _count_and_first(mask: pa.ChunkedArray) -> tuple[int, int]:
+    mask = pc.fill_null(mask, False)
+    count = pc.sum(pc.cast(mask, pa.int64())).as_py() or 0
+    first = pc.index(mask, True).as_py() if count else -1
+    return int(count), int(first)
+
+
+def _plain(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    typ = column.type
+    if pa.types.is_dictionary(typ) or not pa.types.is_large_string(typ):
+        return column.cast(pa.large_string())
+    return column
+
+
+def _domain(table: pa.Table, column: str, allowed: tuple[str, ...]) -> list[Mismatch]:
+    seen = {v for v in pc.unique(_plain(table.column(column))).to_pylist() if v is not None}
+    bad = sorted(seen - set(allowed))
+    if not bad:
+        return []
+    return [
+        Mismatch(
+            "data",
+            f"column {column!r}",
+            f"holds {bad[:5]!r}{' ...' if len(bad) > 5 else ''}; allowed values are "
+            f"{list(allowed)!r}",
+        )
+    ]
+
+
+def _common_rules(table: pa.Table, usable: frozenset[str]) -> list[Mismatch]:
+    problems: list[Mismatch] = []
+    for column, allowed in (("signal", SIGNALS), ("mode", MODES)):
+        if column in usable:
+            problems += _domain(table, column, allowed)
+    for column in _NON_NEGATIVE:
+        if column in usable and table.num_rows:
+            count, first = _count_and_first(pc.less(table.column(column), 0))
+            if count:
+                problems.append(
+                    Mismatch(
+                        "data",
+                        f"column {column!r}",
+                        f"{count} negative value(s), first at row {first}; it is 0-based",
+                    )
+                )
+    return problems
+
+
+def _history_rules(table: pa.Table, usable: frozenset[str]) -> list[Mismatch]:
+    problems = _common_rules(table, usable)
+    if {"value", "unavailable_reason"} <= usable and table.num_rows:
+        value_null = pc.is_null(table.column("value"))
+        reason_set = pc.is_valid(table.column("unavailable_reason"))
+        count, first = _count_and_first(pc.not_equal(value_null, reason_set))
+        if count:
+            problems.append(
+                Mismatch(
+                    "data",
+                    "columns 'value'/'unavailable_reason'",
+                    f"{count} row(s), first at row {first}, break the rule that value is null "
+                    "exactly when unavailable_reason is not null",
+                )
+            )
+    return problems
+
+
+def _histogram_rules(table: pa.Table, usable: frozenset[str]) -> list[Mismatch]:
+    problems = _common_rules(table, usable)
+    if not table.num_rows:
+        return problems
+    if {"bucket_limits", "bucket_counts"} <= usable:
+        limits = pc.list_value_length(table.column("bucket_limits"))
+        counts = pc.list_value_length(table.column("bucket_counts"))
+        count, first = _count_and_first(pc.not_equal(limits, counts))
+        if count:
+            problems.append(
+                Mismatch(
+                    "data",
+                    "columns 'bucket_limits'/'bucket_counts'",
+                    f"{count} row(s), first at row {first}, have lists of different lengths",
+                )
+            )
+    if "num" in usable:
+        empty = pc.equal(table.column("num"), 0)
+        for column in ("min", "max"):
+            if column in usable:
+                count, first = _count_and_first(
+                    pc.not_equal(pc.is_null(table.column(column)), empty)
+                )
+                if count:
+                    problems.append(
+                        Mismatch(
+                            "data",
+                            f"column {column!r}",
+                            f"{count} row(s), first at row {first}, break the rule that {column} "
+                            "is null exactly when num is 0",
+                        )
+                    )
+        if "bucket_counts" in usable:
+            problems += _bucket_sum_rule(table)
+    return problems
+
+
+def _bucket_sum_rule(table: pa.Table) -> list[Mismatch]:
+    buckets = table.column("bucket_counts").combine_chunks()
+    parents = pc.list_parent_indices(buckets)
+    flat = pc.list_flatten(buckets)
+    sums = pa.table({"row": parents, "n": flat}).group_by("row").aggregate([("n", "sum")])
+    totals = [0] * table.num_rows
+    for row, total in zip(
+        sums.column("row").to_pylist(), sums.column("n_sum").to_pylist(), strict=True
+    ):
+        totals[row] = total or 0
+    nums = table.column("num").to_pylist()
+    bad = [i for i, (t, n) in enumerate(zip(totals, nums, strict=True)) if n is not None and t != n]
+    if not bad:
+        return []
+    return [
+        Mismatch(
+            "data",
+            "columns 'bucket_counts'/'num'",
+            f"{len(bad)} row(s), first at row {bad[0]}, have bucket counts that do not sum to num",
+        )
+    ]
+
+
+def _column_problems(
+    schema: pa.Schema,
+    contract: Contract,
+    version: tuple[int, int] | None,
+    nullability: Nullability,
+    table: pa.Table | None,
+) -> tuple[list[Mismatch], frozenset[str]]:
+    problems: list[Mismatch] = []
+    usable: set[str] = set()
+    names = list(schema.names)
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(
+            Mismatch("duplicate_column", f"column {name!r}", f"appears {names.count(name)} times")
+        )
+    data_minor = version[1] if version is not None else contract.version[1]
+    newer = version is not None and version[1] > contract.version[1]
+    for expected in contract.schema:
+        where = f"column {expected.name!r}"
+        if expected.name not in names:
+            if contract.added_in.get(expected.name, 0) <= data_minor:
+                problems.append(
+                    Mismatch(
+                        "missing_column", where, f"is missing (expected {_describe(expected)})"
+                    )
+                )
+            continue
+        actual = schema.field(names.index(expected.name))
+        if not type_matches(actual.type, expected.type):
+            problems.append(
+                Mismatch(
+                    "type", where, f"has type {actual.type}; the contract says {expected.type}"
+                )
+            )
+            continue
+        usable.add(expected.name)
+        if expected.nullable and not actual.nullable:
+            problems.append(
+                Mismatch(
+                    "nullability",
+                    where,
+                    "is declared not null; the contract makes it nullable (rows with unavailable "
+                    "values need nulls)",
+                )
+            )
+        elif (
+            not expected.nullable
+            and actual.nullable
+            and not (nullability == "data" and table is not None)
+        ):
+            problems.append(
+                Mismatch(
+                    "nullability",
+                    where,
+                    "is declared nullable; the contract says not null (declare the field "
+                    "nullable=False, or validate with nullability='data' for engines that drop "
+                    "the flag)",
+                )
+            )
+        if table is not None and not expected.nullable:
+            nulls = table.column(names.index(expected.name)).null_count
+            if nulls:
+                problems.append(
+                    Mismatch("data", where, f"holds {nulls} null(s); the contract says not null")
+                )
+    known = set(contract.schema.names)
+    for name in dict.fromkeys(names):
+        if name in known:
+            continue
+        actual = schema.field(names.index(name))
+        where = f"column {name!r}"
+        if not newer:
+            problems.append(Mismatch("extra_column", where, f"is not part of {contract.label}"))
+        elif not actual.nullable:
+            problems.append(
+                Mismatch(
+                    "extra_column",
+                    where,
+                    f"is not part of {contract.label}; a newer minor may only add nullable "
+                    "columns, and this one is declared not null",
+                )
+            )
+    return problems, frozenset(usable)
+
+
+def problems_for(
+    source: Any,
+    contract: Contract,
+    *,
+    metadata: MetadataSource = None,
+    nullability: Nullability = "schema",
+    function: str = "validate",
+) -> list[Mismatch]:
+    """Every mismatch between ``source`` and ``contract``; an empty list means it conforms."""
+    if nullability not in ("schema", "data"):
+        raise ValueError(f"nullability must be 'schema' or 'data', got {nullability!r}")
+    schema, table = _as_arrow(source, function)
+    doc, problems = read_metadata(schema if metadata is None else metadata)
+    version: tuple[int, int] | None = None
+    if doc is not None:
+        version, more = version_problems(doc, contract.name)
+        problems += more
+        if version is not None and version[0] != contract.version[0]:
+            return problems  # another major: its columns mean nothing to this reader
+    columns, usable = _column_problems(schema, contract, version, nullability, table)
+    problems += columns
+    if table is not None and contract.data_rules is not None:
+        problems += contract.data_rules(table, usable)
+    return problems
+
+
+HISTORY_CONTRACT: Final[Contract] = Contract(
+    HISTORY, history_schema("ti-schema"), data_rules=_history_rules
+)
+HISTOGRAMS_CONTRACT: Final[Contract] = Contract(
+    HISTOGRAMS, histogram_schema("ti-schema"), data_rules=_histogram_rules
+)
+
+
+def validate_history(
+    table_or_schema: Any,
+    *,
+    metadata: MetadataSource = None,
+    nullability: Nullability = "schema",
+) -> None:
+    """Raise :class:`SchemaMismatchError` listing every way the data breaks ``ti.history``.
+
+    ``table_or_schema``: a pyarrow Table, RecordBatch or Schema (data rules need a table).
+    ``metadata``: schema metadata to use instead of the source's own, e.g.
+    ``polars.read_parquet_metadata(path)`` for a frame read by Polars, which drops it.
+    ``nullability``: ``"data"`` accepts not-null columns declared nullable when they hold no
+    nulls (tables only), for engines that do not keep Arrow's nullability flag.
+    """
+    problems = problems_for(
+        table_or_schema,
+        HISTORY_CONTRACT,
+        metadata=metadata,
+        nullability=nullability,
+        function="validate_history",
+    )
+    if problems:
+        raise SchemaMismatchError(HISTORY, problems)
+
+
+def validate_histograms(
+    table_or_schema: Any,
+    *,
+    metadata: MetadataSource = None,
+    nullability: Nullability = "schema",
+) -> None:
+    """Raise :class:`SchemaMismatchError` listing every way the data breaks ``ti.histograms``.
+
+    Arguments as for :func:`validate_history`.
+    """
+    problems = problems_for(
+        table_or_schema,
+        HISTOGRAMS_CONTRACT,
+        metadata=metadata,
+        nullability=nullability,
+        function="validate_histograms",
+    )
+    if problems:
+        raise SchemaMismatchError(HISTOGRAMS, problems)

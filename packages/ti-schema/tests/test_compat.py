@@ -1,0 +1,151 @@
+"""The reader compatibility rule and the metadata helpers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+import ti_schema
+from ti_schema import (
+    SCHEMA_VERSION,
+    SchemaMismatchError,
+    check_compatible,
+    parse_metadata,
+    parse_version,
+    validate_histograms,
+    validate_history,
+)
+from ti_schema.testing import example_histogram_table, example_history_table
+from ti_schema.validate import Contract, problems_for
+
+
+def at_version(table: pa.Table, version: str) -> pa.Table:
+    doc = parse_metadata(table)
+    doc["schema_version"] = version
+    return table.replace_schema_metadata({b"ti": json.dumps(doc).encode()})
+
+
+def test_schema_version_is_parsable_and_known() -> None:
+    assert parse_version(SCHEMA_VERSION) == (1, 0)
+    assert ti_schema.KNOWN_VERSIONS == {"ti.history": ("1.0",), "ti.histograms": ("1.0",)}
+
+
+@pytest.mark.parametrize("bad", ["1", "1.0.0", "01.0", "1.x", " 1.0", "", 1.0])
+def test_parse_version_refuses_anything_but_major_minor(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"major\.minor"):
+        parse_version(bad)
+
+
+def test_parse_metadata_reads_every_carrier() -> None:
+    table = example_history_table(producer="acme-sink 3.1")
+    expected = {"schema": "ti.history", "schema_version": "1.0", "producer": "acme-sink 3.1"}
+    assert parse_metadata(table) == expected
+    assert parse_metadata(table.schema) == expected
+    assert parse_metadata(table.to_batches()[0]) == expected
+    assert parse_metadata(dict(table.schema.metadata)) == expected
+    assert parse_metadata({"ti": table.schema.metadata[b"ti"].decode()}) == expected
+
+
+def test_parse_metadata_raises_for_missing_or_unparsable() -> None:
+    with pytest.raises(SchemaMismatchError, match="no 'ti' key") as info:
+        parse_metadata(pa.schema([("a", pa.int64())]))
+    assert info.value.kinds == {"missing_metadata"}
+    with pytest.raises(SchemaMismatchError, match="not valid JSON"):
+        parse_metadata({b"ti": b"{"})
+    with pytest.raises(TypeError, match="metadata source must be"):
+        parse_metadata(42)  # type: ignore[arg-type]
+
+
+def test_default_producer_names_the_distribution() -> None:
+    producer = parse_metadata(ti_schema.history_schema())["producer"]
+    assert producer.startswith("ti-schema ")
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.17"])
+def test_same_major_is_compatible(version: str) -> None:
+    table = at_version(example_history_table(), version)
+    assert check_compatible(table) == parse_version(version)
+    validate_history(table)
+
+
+@pytest.mark.parametrize(
+    ("version", "advice"),
+    [("2.0", "upgrade ti-schema"), ("0.9", "older ti-schema that wrote it")],
+)
+def test_another_major_is_refused_naming_the_known_versions(version: str, advice: str) -> None:
+    table = at_version(example_history_table(), version)
+    with pytest.raises(SchemaMismatchError) as info:
+        check_compatible(table)
+    message = str(info.value)
+    assert f"ti.history {version} cannot be read" in message
+    assert "this reader knows ti.history 1.x (1.0)" in message
+    assert advice in message
+    with pytest.raises(SchemaMismatchError) as info:
+        validate_history(table.drop_columns(["layer"]))
+    # the columns of another major mean nothing to this reader: only the version is reported
+    assert [m.kind for m in info.value.mismatches] == ["unsupported_version"]
+
+
+def test_check_compatible_refuses_foreign_and_missing_metadata() -> None:
+    with pytest.raises(SchemaMismatchError, match=r"describes schema 'ti\.history'"):
+        check_compatible(example_history_table(), "ti.histograms")
+    assert check_compatible(example_histogram_table(), "ti.histograms") == (1, 0)
+    with pytest.raises(SchemaMismatchError) as info:
+        check_compatible(pa.schema([]))
+    assert info.value.kinds == {"missing_metadata"}
+
+
+def test_newer_minor_may_add_nullable_columns() -> None:
+    table = at_version(example_history_table(), "1.1")
+    grown = table.append_column(
+        pa.field("device", pa.string()), pa.nulls(table.num_rows, pa.string())
+    )
+    validate_history(grown)
+    validate_history(grown.schema)
+    with pytest.raises(SchemaMismatchError) as info:
+        validate_history(at_version(grown, "1.0"))
+    assert "column 'device': is not part of ti.history 1.0" in str(info.value)
+
+
+def test_newer_minor_may_not_add_not_null_columns() -> None:
+    table = at_version(example_history_table(), "1.2")
+    field = pa.field("device", pa.string(), nullable=False)
+    grown = table.append_column(field, pa.array(["cpu"] * table.num_rows))
+    with pytest.raises(SchemaMismatchError) as info:
+        validate_history(grown)
+    assert info.value.kinds == {"extra_column"}
+    assert "a newer minor may only add nullable columns" in str(info.value)
+
+
+def test_newer_minor_may_not_drop_or_retype_columns() -> None:
+    table = at_version(example_history_table(), "1.1").drop_columns(["dtype"])
+    with pytest.raises(SchemaMismatchError) as info:
+        validate_history(table)
+    assert info.value.kinds == {"missing_column"}
+
+
+def test_histograms_follow_the_same_rule() -> None:
+    table = at_version(example_histogram_table(), "1.4")
+    validate_histograms(
+        table.append_column(pa.field("p99", pa.float64()), pa.nulls(6, pa.float64()))
+    )
+    with pytest.raises(SchemaMismatchError, match=r"knows ti.histograms 1.x \(1.0\)"):
+        validate_histograms(at_version(table, "3.0"))
+
+
+def test_older_minor_may_lack_the_columns_added_after_it() -> None:
+    # A hypothetical 1.1 reader whose contract added a nullable `device` column in 1.1.
+    base = ti_schema.history_schema("test")
+    grown = base.append(pa.field("device", pa.string()))
+    reader = Contract("ti.history", grown, version=(1, 1), added_in={"device": 1})
+    old = example_history_table()  # written at 1.0, no device column
+    assert problems_for(old, reader) == []
+    at_11 = at_version(old, "1.1")
+    assert [m.kind for m in problems_for(at_11, reader)] == ["missing_column"]
+    assert [m.kind for m in problems_for(old.replace_schema_metadata(None), reader)] == [
+        "missing_metadata",
+        "missing_column",
+    ]

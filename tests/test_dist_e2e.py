@@ -1,0 +1,389 @@
+"""Rank policies on real multi-process jobs (gloo on CPU), with ti-io's DirectorySink.
+
+Each job trains a small model with DDP (or FSDP2 ``fully_shard``); every rank draws its own
+data shard, so per-rank measurements differ. Jobs start through torchrun, except the job with a
+killed rank: torchrun tears the whole job down when one worker dies, so that one starts each
+rank as a plain process with the same environment torchrun would give it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from ti_core import has_observer, inject_observer
+from ti_dist import compare_ranks, scan_ranks
+from ti_io import consolidate
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+JOB_TIMEOUT_S = 180
+STEPS = 4
+ARTIFACT_FILES = ("history.parquet", "histograms.parquet", "result.json", "index.md")
+
+# The training script every rank runs. argv[1]: JSON settings; see _job_config.
+WORKER = r"""
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ti_core import AlwaysSampler, has_observer, inject_observer, remove_observer
+
+cfg = json.loads(sys.argv[1])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+out, side = Path(cfg["out"]), Path(cfg["side"])
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+if cfg["mode"] == "fsdp2":
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+
+options = {"sampler": AlwaysSampler()}
+if cfg["policy"] is not None:
+    options["rank_policy"] = cfg["policy"]
+if cfg["buffer_rows"]:
+    from ti_io import DirectorySink, HistoryConfig
+
+    options["sink"] = DirectorySink(
+        out, history_config=HistoryConfig(buffer_rows=cfg["buffer_rows"])
+    )
+else:
+    options["output_dir"] = out
+inject_observer(model, **options)
+hooks = sum(
+    len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+    for m in model.modules()
+)
+(side / f"rank{rank}.json").write_text(
+    json.dumps({"rank": rank, "world": world, "observed": has_observer(model), "hooks": hooks})
+)
+
+net = model
+if cfg["mode"] == "ddp":
+    net = torch.nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+shard = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+for step in range(cfg["steps"]):
+    x = torch.randn(16, 8, generator=shard)
+    y = torch.randn(16, 4, generator=shard)
+    if step == 0 and cfg["mode"] == "ddp":
+        with torch.no_grad():
+            first = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
+        np.save(side / f"rank{rank}-layer0-output.npy", first.numpy())
+    loss = torch.nn.functional.mse_loss(net(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+# No collective after this point: a rank may die here without stranding the others.
+if rank == cfg["kill_rank"]:
+    parts = out / f"rank-{rank:03d}" / "history.parts"
+    deadline = time.monotonic() + 60
+    while len(list(parts.glob("part-*.parquet"))) < cfg["min_parts"]:
+        if time.monotonic() > deadline:
+            sys.exit("timed out waiting for published parts")
+        time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGKILL)
+if cfg["kill_rank"] is not None:
+    with torch.no_grad():  # a local evaluation phase, no collectives
+        model.eval()
+        model(torch.randn(16, 8, generator=shard))
+remove_observer(model)
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _clean_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        and not k.startswith(("SLURM_", "TORCHELASTIC_"))
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _job_config(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "out": str(tmp_path / "stats"),
+        "side": str(tmp_path / "side"),
+        "mode": "ddp",
+        "policy": "all",
+        "steps": STEPS,
+        "buffer_rows": None,
+        "kill_rank": None,
+        "min_parts": 0,
+    }
+    cfg.update(overrides)
+    Path(cfg["side"]).mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    return cfg
+
+
+def _log(tmp_path: Path, name: str) -> str:
+    path = tmp_path / name
+    return path.read_text(errors="replace")[-6000:] if path.exists() else ""
+
+
+def torchrun(tmp_path: Path, nproc: int, cfg: dict[str, Any]) -> None:
+    """Run the worker under torchrun on this machine; fail with its output on error."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(tmp_path / "worker.py"),
+        json.dumps(cfg),
+    ]
+    with (tmp_path / "torchrun.log").open("w") as log:
+        try:
+            proc = subprocess.run(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_clean_env(),
+                timeout=JOB_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"torchrun job timed out:\n{_log(tmp_path, 'torchrun.log')}")
+    assert proc.returncode == 0, _log(tmp_path, "torchrun.log")
+
+
+def launch_ranks(tmp_path: Path, world: int, cfg: dict[str, Any]) -> list[int]:
+    """Start one plain process per rank with torchrun's environment; return exit codes."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = _clean_env()
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        log = (tmp_path / f"rank{rank}.log").open("w")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(tmp_path / "worker.py"), json.dumps(cfg)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        )
+        log.close()
+    codes = []
+    try:
+        for proc in procs:
+            codes.append(proc.wait(timeout=JOB_TIMEOUT_S))
+    except subprocess.TimeoutExpired:
+        logs = "\n".join(_log(tmp_path, f"rank{r}.log") for r in range(world))
+        pytest.fail(f"job timed out:\n{logs}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return codes
+
+
+def side_facts(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
+    facts: dict[str, Any] = json.loads((Path(cfg["side"]) / f"rank{rank}.json").read_text())
+    return facts
+
+
+def assert_full_artifacts(directory: Path, rank: int) -> pl.DataFrame:
+    """The directory holds a finished run written by ``rank``; return its history."""
+    for name in ARTIFACT_FILES:
+        assert (directory / name).is_file(), f"{directory / name} missing"
+    assert not (directory / "history.parts").exists()
+    events = list((directory / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events, f"no TensorBoard event file under {directory / 'tensorboard'}"
+
+    accumulator = EventAccumulator(str(events[0].parent), size_guidance={"histograms": 0})
+    accumulator.Reload()
+    assert accumulator.Tags()["histograms"], f"no histograms in {events[0]}"
+
+    history = pl.read_parquet(directory / "history.parquet")
+    assert history.height > 0
+    assert history["rank"].unique().to_list() == [rank]
+    assert history["run_id"].n_unique() == 1
+    assert history["sample_id"].max() == STEPS - 1
+    histograms = pq.read_table(directory / "histograms.parquet", columns=["rank"])
+    assert histograms.num_rows > 0
+    assert set(histograms.column("rank").to_pylist()) == {rank}
+    result = json.loads((directory / "result.json").read_text())
+    assert {record["layer"] for record in result} == {"0", "1", "2"}
+    return history
+
+
+def first_output_stats(history: pl.DataFrame) -> dict[str, float]:
+    rows = history.filter(
+        (pl.col("layer") == "0") & (pl.col("signal") == "output") & (pl.col("sample_id") == 0)
+    )
+    return dict(zip(rows["metric"].to_list(), rows["value"].to_list(), strict=True))
+
+
+def test_rank0_policy_only_rank0_writes_in_output_dir(tmp_path: Path) -> None:
+    """A visibly distributed job (WORLD_SIZE=2) with rank_policy='rank0'."""
+    cfg = _job_config(tmp_path, policy="rank0")
+    torchrun(tmp_path, 2, cfg)
+
+    out = Path(cfg["out"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*ARTIFACT_FILES, "tensorboard"])
+    history = assert_full_artifacts(out, rank=0)
+    rank0 = side_facts(cfg, 0)
+    assert (rank0["rank"], rank0["world"], rank0["observed"]) == (0, 2, True)
+    assert rank0["hooks"] > 0
+    # Rank 1 attached nothing: no observer, no hooks, no files.
+    assert side_facts(cfg, 1) == {"rank": 1, "world": 2, "observed": False, "hooks": 0}
+    assert scan_ranks(out).collect().height == history.height
+
+
+def test_all_ranks_ddp_four_processes(tmp_path: Path) -> None:
+    cfg = _job_config(tmp_path, policy="all")
+    torchrun(tmp_path, 4, cfg)
+
+    out = Path(cfg["out"])
+    assert sorted(p.name for p in out.iterdir()) == [f"rank-00{r}" for r in range(4)]
+    histories = {}
+    for rank in range(4):
+        assert side_facts(cfg, rank)["observed"] is True
+        history = assert_full_artifacts(out / f"rank-00{rank}", rank)
+        histories[rank] = history
+        # This rank's rows measure this rank's own first-layer output (numpy float64 reference).
+        reference = np.load(Path(cfg["side"]) / f"rank{rank}-layer0-output.npy").astype(np.float64)
+        stats = first_output_stats(history)
+        expected = {
+            "mean": reference.mean(),
+            "std": reference.std(),
+            "min": reference.min(),
+            "max": reference.max(),
+            "p25": np.percentile(reference, 25),
+            "p50": np.percentile(reference, 50),
+            "p75": np.percentile(reference, 75),
+            "zero_fraction": float(np.mean(reference == 0)),
+            "nonfinite_fraction": 0.0,
+        }
+        for metric, value in expected.items():
+            assert stats[metric] == pytest.approx(value, rel=1e-5, abs=1e-7), (rank, metric)
+
+    means = [first_output_stats(histories[r])["mean"] for r in range(4)]
+    assert len(set(means)) == 4, f"ranks measured identical inputs: {means}"
+    assert len({histories[r]["run_id"][0] for r in range(4)}) == 4
+
+    combined = scan_ranks(out).collect()
+    assert combined.height == sum(h.height for h in histories.values())
+    assert combined.group_by("rank").len().sort("rank")["len"].to_list() == [
+        histories[r].height for r in range(4)
+    ]
+
+    table = compare_ranks(out, layer="0", signal="output", metric="mean")
+    assert table["sample_id"].to_list() == list(range(STEPS))
+    assert table["n_ranks"].to_list() == [4] * STEPS
+    first = table.row(0, named=True)
+    assert first["values"] == pytest.approx(means, rel=1e-12)
+    assert first["spread"] == pytest.approx(max(means) - min(means), rel=1e-12)
+    # The sampled gradients are every rank's own too (DDP syncs parameter gradients only).
+    grads = compare_ranks(out, layer="2", signal="output_gradient", metric="std")
+    assert grads["n_ranks"].to_list() == [4] * STEPS
+    assert (grads["spread"] > 0).all()
+
+
+def test_fsdp2_fully_shard_all_ranks(tmp_path: Path) -> None:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the installed torch
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard: {exc}")
+    cfg = _job_config(tmp_path, policy="all", mode="fsdp2")
+    torchrun(tmp_path, 2, cfg)
+
+    out = Path(cfg["out"])
+    histories = [assert_full_artifacts(out / f"rank-00{r}", r) for r in range(2)]
+    means = [first_output_stats(h)["mean"] for h in histories]
+    assert means[0] != means[1]
+    combined = scan_ranks(out).collect()
+    assert sorted(combined["rank"].unique().to_list()) == [0, 1]
+    assert combined.height == histories[0].height + histories[1].height
+
+
+def test_killed_rank_leaves_others_complete_and_its_parts_consolidatable(
+    tmp_path: Path,
+) -> None:
+    cfg = _job_config(tmp_path, policy="all", buffer_rows=64, kill_rank=1, min_parts=2)
+    codes = launch_ranks(tmp_path, 2, cfg)
+    assert codes == [0, -signal.SIGKILL], [_log(tmp_path, f"rank{r}.log") for r in range(2)]
+
+    out = Path(cfg["out"])
+    survivor = assert_full_artifacts(out / "rank-000", rank=0)
+    assert survivor.filter(pl.col("mode") == "eval").height > 0  # its post-kill phase too
+
+    killed = out / "rank-001"
+    assert not (killed / "history.parquet").exists()
+    parts = sorted((killed / "history.parts").glob("part-*.parquet"))
+    assert len(parts) >= 2
+    part_rows = sum(pq.read_metadata(p).num_rows for p in parts)
+
+    live = scan_ranks(out).collect()
+    assert live.filter(pl.col("rank") == 1).height == part_rows
+    assert live.filter(pl.col("rank") == 0).height == survivor.height
+
+    done = consolidate(killed)
+    assert done.history_rows == part_rows
+    recovered = pl.read_parquet(killed / "history.parquet")
+    assert recovered["rank"].unique().to_list() == [1]
+    assert recovered.height == part_rows
+    assert (killed / "result.json").is_file()
+    assert (killed / "index.md").is_file()
+    assert not (killed / "history.parts").exists()
+    after = scan_ranks(out).collect()
+    assert after.filter(pl.col("rank") == 1).height == part_rows
+
+
+def test_unknown_policy_name_is_a_clear_error(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"rank_policy='every-other' is not known.*all.*rank0"):
+        inject_observer(model, output_dir=tmp_path / "stats", rank_policy="every-other")
+    assert not has_observer(model)
+    assert not (tmp_path / "stats").exists()
