@@ -185,7 +185,7 @@ def _assert_absent(session: nox.Session, package: str) -> None:
         f"import importlib.util as u, {module}; "
         f"present = [m for m in {absent} if u.find_spec(m)]; "
         f"assert not present, 'must not be installed: ' + ', '.join(present); "
-        f"print('isolation ok: {module} imports and none of {absent} is installed')"
+        f"print('isolation ok: {module} imports; not installed: {', '.join(absent)}')"
     )
     session.run("python", "-c", code, silent=False)
 

@@ -1,9 +1,10 @@
 """Rank policies on real multi-process jobs (gloo on CPU), with ti-io's DirectorySink.
 
 Each job trains a small model with DDP (or FSDP2 ``fully_shard``); every rank draws its own
-data shard, so per-rank measurements differ. Jobs start through torchrun, except the job with a
-killed rank: torchrun tears the whole job down when one worker dies, so that one starts each
-rank as a plain process with the same environment torchrun would give it.
+data shard, so per-rank measurements differ. The 4-process job starts through torchrun. The
+2-process jobs start one plain process per rank with the environment torchrun would give it:
+torchrun tears the whole job down when one worker dies, which the killed-rank job must avoid,
+and one launcher process fewer keeps the jobs short on a small machine.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ JOB_TIMEOUT_S = 180
 STEPS = 4
 ARTIFACT_FILES = ("history.parquet", "histograms.parquet", "result.json", "index.md")
 
-# The training script every rank runs. argv[1]: JSON settings; see _job_config.
+# The training script every rank runs. argv[1]: JSON settings (see job_config): one or more
+# phases, each a fresh model trained for a few steps with its own rank policy and output_dir.
 WORKER = r"""
 import json
 import os
@@ -52,68 +54,66 @@ from ti_core import AlwaysSampler, has_observer, inject_observer, remove_observe
 cfg = json.loads(sys.argv[1])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-out, side = Path(cfg["out"]), Path(cfg["side"])
+side = Path(cfg["side"])
 
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-if cfg["mode"] == "fsdp2":
-    from torch.distributed.fsdp import fully_shard
+for phase in cfg["phases"]:
+    out, name = Path(phase["out"]), phase["name"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if cfg["mode"] == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model[0])
-    fully_shard(model[2])
-    fully_shard(model)
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
 
-options = {"sampler": AlwaysSampler()}
-if cfg["policy"] is not None:
-    options["rank_policy"] = cfg["policy"]
-if cfg["buffer_rows"]:
-    from ti_io import DirectorySink, HistoryConfig
+    options = {"sampler": AlwaysSampler(), "rank_policy": phase["policy"]}
+    if cfg["buffer_rows"]:
+        from ti_io import DirectorySink, HistoryConfig
 
-    options["sink"] = DirectorySink(
-        out, history_config=HistoryConfig(buffer_rows=cfg["buffer_rows"])
+        config = HistoryConfig(buffer_rows=cfg["buffer_rows"])
+        options["sink"] = DirectorySink(out, history_config=config)
+    else:
+        options["output_dir"] = out
+    inject_observer(model, **options)
+    hooks = sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+        for m in model.modules()
     )
-else:
-    options["output_dir"] = out
-inject_observer(model, **options)
-hooks = sum(
-    len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-    for m in model.modules()
-)
-(side / f"rank{rank}.json").write_text(
-    json.dumps({"rank": rank, "world": world, "observed": has_observer(model), "hooks": hooks})
-)
+    facts = {"rank": rank, "world": world, "observed": has_observer(model), "hooks": hooks}
+    (side / f"{name}-rank{rank}.json").write_text(json.dumps(facts))
 
-net = model
-if cfg["mode"] == "ddp":
-    net = torch.nn.parallel.DistributedDataParallel(model)
-opt = torch.optim.SGD(net.parameters(), lr=0.05)
-shard = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
-for step in range(cfg["steps"]):
-    x = torch.randn(16, 8, generator=shard)
-    y = torch.randn(16, 4, generator=shard)
-    if step == 0 and cfg["mode"] == "ddp":
-        with torch.no_grad():
-            first = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
-        np.save(side / f"rank{rank}-layer0-output.npy", first.numpy())
-    loss = torch.nn.functional.mse_loss(net(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
+    net = model
+    if cfg["mode"] == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    shard = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    for step in range(cfg["steps"]):
+        x = torch.randn(16, 8, generator=shard)
+        y = torch.randn(16, 4, generator=shard)
+        if step == 0 and cfg["mode"] == "ddp":
+            with torch.no_grad():
+                first = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
+            np.save(side / f"{name}-rank{rank}-layer0-output.npy", first.numpy())
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
 
-# No collective after this point: a rank may die here without stranding the others.
-if rank == cfg["kill_rank"]:
-    parts = out / f"rank-{rank:03d}" / "history.parts"
-    deadline = time.monotonic() + 60
-    while len(list(parts.glob("part-*.parquet"))) < cfg["min_parts"]:
-        if time.monotonic() > deadline:
-            sys.exit("timed out waiting for published parts")
-        time.sleep(0.02)
-    os.kill(os.getpid(), signal.SIGKILL)
-if cfg["kill_rank"] is not None:
-    with torch.no_grad():  # a local evaluation phase, no collectives
-        model.eval()
-        model(torch.randn(16, 8, generator=shard))
-remove_observer(model)
+    # No collective after this point: a rank may die here without stranding the others.
+    if rank == cfg["kill_rank"]:
+        parts = out / f"rank-{rank:03d}" / "history.parts"
+        deadline = time.monotonic() + 60
+        while len(list(parts.glob("part-*.parquet"))) < cfg["min_parts"]:
+            if time.monotonic() > deadline:
+                sys.exit("timed out waiting for published parts")
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if cfg["kill_rank"] is not None:
+        with torch.no_grad():  # a local evaluation phase, no collectives
+            model.eval()
+            model(torch.randn(16, 8, generator=shard))
+    remove_observer(model)
 dist.destroy_process_group()
 """
 
@@ -135,12 +135,16 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def _job_config(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+def job_config(root: Path, phases: dict[str, str], **overrides: Any) -> dict[str, Any]:
+    """Settings for one job: ``phases`` maps a phase name to its rank policy; each phase writes
+    into ``root/<name>``. Also writes the worker script to ``root/worker.py``."""
     cfg: dict[str, Any] = {
-        "out": str(tmp_path / "stats"),
-        "side": str(tmp_path / "side"),
+        "phases": [
+            {"name": name, "policy": policy, "out": str(root / name)}
+            for name, policy in phases.items()
+        ],
+        "side": str(root / "side"),
         "mode": "ddp",
-        "policy": "all",
         "steps": STEPS,
         "buffer_rows": None,
         "kill_rank": None,
@@ -148,8 +152,7 @@ def _job_config(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
     }
     cfg.update(overrides)
     Path(cfg["side"]).mkdir(parents=True, exist_ok=True)
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    (root / "worker.py").write_text(WORKER)
     return cfg
 
 
@@ -228,28 +231,26 @@ def launch_ranks(tmp_path: Path, world: int, cfg: dict[str, Any]) -> list[int]:
     return codes
 
 
-def side_facts(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
-    facts: dict[str, Any] = json.loads((Path(cfg["side"]) / f"rank{rank}.json").read_text())
+def side_facts(root: Path, phase: str, rank: int) -> dict[str, Any]:
+    facts: dict[str, Any] = json.loads((root / "side" / f"{phase}-rank{rank}.json").read_text())
     return facts
 
 
-def assert_full_artifacts(directory: Path, rank: int) -> pl.DataFrame:
+def assert_full_artifacts(directory: Path, rank: int, samples: int = STEPS) -> pl.DataFrame:
     """The directory holds a finished run written by ``rank``; return its history."""
     for name in ARTIFACT_FILES:
         assert (directory / name).is_file(), f"{directory / name} missing"
     assert not (directory / "history.parts").exists()
     events = list((directory / "tensorboard").rglob("events.out.tfevents.*"))
     assert events, f"no TensorBoard event file under {directory / 'tensorboard'}"
-
     accumulator = EventAccumulator(str(events[0].parent), size_guidance={"histograms": 0})
     accumulator.Reload()
     assert accumulator.Tags()["histograms"], f"no histograms in {events[0]}"
 
     history = pl.read_parquet(directory / "history.parquet")
-    assert history.height > 0
     assert history["rank"].unique().to_list() == [rank]
     assert history["run_id"].n_unique() == 1
-    assert history["sample_id"].max() == STEPS - 1
+    assert sorted(history["sample_id"].unique().to_list()) == list(range(samples))
     histograms = pq.read_table(directory / "histograms.parquet", columns=["rank"])
     assert histograms.num_rows > 0
     assert set(histograms.column("rank").to_pylist()) == {rank}
@@ -259,41 +260,48 @@ def assert_full_artifacts(directory: Path, rank: int) -> pl.DataFrame:
 
 
 def first_output_stats(history: pl.DataFrame) -> dict[str, float]:
+    """Metric -> value of layer "0"'s output at sample 0."""
     rows = history.filter(
         (pl.col("layer") == "0") & (pl.col("signal") == "output") & (pl.col("sample_id") == 0)
     )
     return dict(zip(rows["metric"].to_list(), rows["value"].to_list(), strict=True))
 
 
-def test_rank0_policy_only_rank0_writes_in_output_dir(tmp_path: Path) -> None:
-    """A visibly distributed job (WORLD_SIZE=2) with rank_policy='rank0'."""
-    cfg = _job_config(tmp_path, policy="rank0")
-    torchrun(tmp_path, 2, cfg)
+@pytest.fixture(scope="module")
+def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One torchrun job of 4 DDP processes, run twice: rank_policy="rank0", then "all"."""
+    root = tmp_path_factory.mktemp("ddp4")
+    cfg = job_config(root, {"rank0": "rank0", "all": "all"})
+    torchrun(root, 4, cfg)
+    return root
 
-    out = Path(cfg["out"])
+
+def test_rank0_policy_only_rank0_writes_in_output_dir(ddp_job: Path) -> None:
+    """A visibly distributed job (torchrun, WORLD_SIZE=4) with rank_policy="rank0"."""
+    out = ddp_job / "rank0"
     assert sorted(p.name for p in out.iterdir()) == sorted([*ARTIFACT_FILES, "tensorboard"])
     history = assert_full_artifacts(out, rank=0)
-    rank0 = side_facts(cfg, 0)
-    assert (rank0["rank"], rank0["world"], rank0["observed"]) == (0, 2, True)
+    rank0 = side_facts(ddp_job, "rank0", 0)
+    assert (rank0["rank"], rank0["world"], rank0["observed"]) == (0, 4, True)
     assert rank0["hooks"] > 0
-    # Rank 1 attached nothing: no observer, no hooks, no files.
-    assert side_facts(cfg, 1) == {"rank": 1, "world": 2, "observed": False, "hooks": 0}
+    # The other ranks attached nothing: no observer, no hooks, no files.
+    for rank in (1, 2, 3):
+        expected = {"rank": rank, "world": 4, "observed": False, "hooks": 0}
+        assert side_facts(ddp_job, "rank0", rank) == expected
     assert scan_ranks(out).collect().height == history.height
 
 
-def test_all_ranks_ddp_four_processes(tmp_path: Path) -> None:
-    cfg = _job_config(tmp_path, policy="all")
-    torchrun(tmp_path, 4, cfg)
-
-    out = Path(cfg["out"])
+def test_all_ranks_ddp_four_processes(ddp_job: Path) -> None:
+    out = ddp_job / "all"
     assert sorted(p.name for p in out.iterdir()) == [f"rank-00{r}" for r in range(4)]
     histories = {}
     for rank in range(4):
-        assert side_facts(cfg, rank)["observed"] is True
+        assert side_facts(ddp_job, "all", rank)["observed"] is True
         history = assert_full_artifacts(out / f"rank-00{rank}", rank)
         histories[rank] = history
         # This rank's rows measure this rank's own first-layer output (numpy float64 reference).
-        reference = np.load(Path(cfg["side"]) / f"rank{rank}-layer0-output.npy").astype(np.float64)
+        reference = np.load(ddp_job / "side" / f"all-rank{rank}-layer0-output.npy")
+        reference = reference.astype(np.float64)
         stats = first_output_stats(history)
         expected = {
             "mean": reference.mean(),
@@ -325,7 +333,7 @@ def test_all_ranks_ddp_four_processes(tmp_path: Path) -> None:
     first = table.row(0, named=True)
     assert first["values"] == pytest.approx(means, rel=1e-12)
     assert first["spread"] == pytest.approx(max(means) - min(means), rel=1e-12)
-    # The sampled gradients are every rank's own too (DDP syncs parameter gradients only).
+    # Output gradients are each rank's own too (DDP averages parameter gradients only).
     grads = compare_ranks(out, layer="2", signal="output_gradient", metric="std")
     assert grads["n_ranks"].to_list() == [4] * STEPS
     assert (grads["spread"] > 0).all()
@@ -336,13 +344,13 @@ def test_fsdp2_fully_shard_all_ranks(tmp_path: Path) -> None:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the installed torch
         pytest.skip(f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard: {exc}")
-    cfg = _job_config(tmp_path, policy="all", mode="fsdp2")
-    torchrun(tmp_path, 2, cfg)
+    cfg = job_config(tmp_path, {"fsdp": "all"}, mode="fsdp2")
+    codes = launch_ranks(tmp_path, 2, cfg)
+    assert codes == [0, 0], [_log(tmp_path, f"rank{r}.log") for r in range(2)]
 
-    out = Path(cfg["out"])
+    out = tmp_path / "fsdp"
     histories = [assert_full_artifacts(out / f"rank-00{r}", r) for r in range(2)]
-    means = [first_output_stats(h)["mean"] for h in histories]
-    assert means[0] != means[1]
+    assert first_output_stats(histories[0])["mean"] != first_output_stats(histories[1])["mean"]
     combined = scan_ranks(out).collect()
     assert sorted(combined["rank"].unique().to_list()) == [0, 1]
     assert combined.height == histories[0].height + histories[1].height
@@ -351,13 +359,14 @@ def test_fsdp2_fully_shard_all_ranks(tmp_path: Path) -> None:
 def test_killed_rank_leaves_others_complete_and_its_parts_consolidatable(
     tmp_path: Path,
 ) -> None:
-    cfg = _job_config(tmp_path, policy="all", buffer_rows=64, kill_rank=1, min_parts=2)
+    cfg = job_config(tmp_path, {"killed": "all"}, buffer_rows=64, kill_rank=1, min_parts=2)
     codes = launch_ranks(tmp_path, 2, cfg)
     assert codes == [0, -signal.SIGKILL], [_log(tmp_path, f"rank{r}.log") for r in range(2)]
 
-    out = Path(cfg["out"])
-    survivor = assert_full_artifacts(out / "rank-000", rank=0)
-    assert survivor.filter(pl.col("mode") == "eval").height > 0  # its post-kill phase too
+    out = tmp_path / "killed"
+    # The survivor also sampled its local evaluation forward after rank 1 died.
+    survivor = assert_full_artifacts(out / "rank-000", rank=0, samples=STEPS + 1)
+    assert survivor.filter(pl.col("mode") == "eval")["sample_id"].unique().to_list() == [STEPS]
 
     killed = out / "rank-001"
     assert not (killed / "history.parquet").exists()

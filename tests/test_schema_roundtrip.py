@@ -148,3 +148,27 @@ def test_artifact_dir_written_by_polars_conforms(history_file: Path, tmp_path: P
     pl.read_parquet(history_file).write_parquet(run / "history.parquet")
     with pytest.raises(AssertionError, match="no 'ti' key"):
         assert_artifact_dir_conforms(run)
+
+
+def test_a_real_run_conforms_and_reads_back_through_polars(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    ti_core = pytest.importorskip("ti_core")
+    pytest.importorskip("ti_io")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    stats = tmp_path / "stats"
+    ti_core.inject_observer(model, output_dir=stats, sampler=ti_core.AlwaysSampler())
+    try:
+        for _ in range(3):
+            model(torch.randn(5, 4)).sum().backward()
+        model(torch.empty(0, 4))  # an empty batch: unavailable rows with reasons
+    finally:
+        ti_core.remove_observer(model)
+    assert_artifact_dir_conforms(stats)
+    path = stats / "history.parquet"
+    frame = pl.read_parquet(path)
+    validate_history(frame, metadata=pl.read_parquet_metadata(path), nullability="data")
+    assert ti_schema.parse_metadata(pl.read_parquet_metadata(path))["producer"].startswith("ti-")
+    unavailable = frame.filter(pl.col("value").is_null())
+    assert unavailable.height > 0
+    assert unavailable["unavailable_reason"].null_count() == 0

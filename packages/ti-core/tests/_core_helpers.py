@@ -45,12 +45,16 @@ def stats(table: pa.Table, **where: Any) -> dict[str, float | None]:
     """``{metric: value}`` of the one tensor matching ``where``; fails if it is not unique."""
     found = rows(table, **where)
     assert found, f"no rows for {where}"
-    keys = {(r["sample_id"], r["layer"], r["call_index"], r["signal"], r["tensor_path"]) for r in found}
+    keys = {
+        (r["sample_id"], r["layer"], r["call_index"], r["signal"], r["tensor_path"]) for r in found
+    }
     assert len(keys) == 1, f"{where} matches several tensors: {sorted(keys)}"
     return {r["metric"]: r["value"] for r in found}
 
 
-def assert_matches(got: dict[str, float | None], expected: dict[str, float | None], rtol: float = 1e-5) -> None:
+def assert_matches(
+    got: dict[str, float | None], expected: dict[str, float | None], rtol: float = 1e-5
+) -> None:
     for metric, want in expected.items():
         value = got[metric]
         if want is None:

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 from _core_helpers import assert_matches, hook_state, reference, rows, stats
-from ti_schema.testing import assert_history_conforms
 from torch import nn
 
 from ti_core import AlwaysSampler, MemorySink, inject_observer, observe, remove_observer
+from ti_schema.testing import assert_history_conforms
 
 
 def identity_linear(n: int) -> nn.Linear:
@@ -66,14 +66,21 @@ def test_rows_carry_identity_and_context() -> None:
     table = sink.table()
     assert_history_conforms(table)
     first = rows(table, sample_id=0, layer="0", metric="mean")[0]
-    assert first["run_id"] == run_id and len(run_id) == 32
+    assert first["run_id"] == run_id
+    assert len(run_id) == 32
     assert first["module_type"] == "Linear"
-    assert first["mode"] == "train" and first["grad_enabled"] is True
-    assert first["shape"] == [5, 4] and first["dtype"] == "float32"
-    assert first["tensor_path"] == "" and first["call_index"] == 0 and first["rank"] == 0
+    assert first["mode"] == "train"
+    assert first["grad_enabled"] is True
+    assert first["shape"] == [5, 4]
+    assert first["dtype"] == "float32"
+    assert first["tensor_path"] == ""
+    assert first["call_index"] == 0
+    assert first["rank"] == 0
     second = rows(table, sample_id=1, layer="1", metric="mean")[0]
-    assert second["mode"] == "eval" and second["grad_enabled"] is False
-    assert second["forward_index"] == 1 and second["shape"] == [2, 4]
+    assert second["mode"] == "eval"
+    assert second["grad_enabled"] is False
+    assert second["forward_index"] == 1
+    assert second["shape"] == [2, 4]
     # no_grad forward: no gradient rows at all
     assert not rows(table, sample_id=1, signal="output_gradient")
     assert sorted({r["metric"] for r in rows(table, sample_id=0, layer="0")}) == sorted(
@@ -156,12 +163,14 @@ def test_empty_nan_and_inf_tensors_have_reasons() -> None:
     table = sink.table()
     assert_history_conforms(table)
     empty = rows(table, tensor_path="[0]")
-    assert len(empty) == 9 and all(r["value"] is None for r in empty)
+    assert len(empty) == 9
+    assert all(r["value"] is None for r in empty)
     assert all("empty" in r["unavailable_reason"] for r in empty)
     assert empty[0]["shape"] == [0, 3]
 
     nan = {r["metric"]: r for r in rows(table, tensor_path="[1]")}
-    assert nan["nonfinite_fraction"]["value"] == 1.0 and nan["zero_fraction"]["value"] == 0.0
+    assert nan["nonfinite_fraction"]["value"] == 1.0
+    assert nan["zero_fraction"]["value"] == 0.0
     for metric in ("mean", "std", "min", "max", "p25", "p50", "p75"):
         assert nan[metric]["value"] is None
         assert "finite" in nan[metric]["unavailable_reason"]
@@ -214,10 +223,16 @@ def test_root_module_selected_and_aliases() -> None:
         model(torch.randn(3, 2))
     run = sink.run
     assert run is not None
-    assert [(info.name, info.aliases) for info in run.layers] == [("", ()), ("encoder", ("decoder",))]
+    assert [(info.name, info.aliases) for info in run.layers] == [
+        ("", ()),
+        ("encoder", ("decoder",)),
+    ]
     table = sink.table()
     assert {r["layer"] for r in table.to_pylist()} == {"", "encoder"}
-    assert sorted({r["call_index"] for r in rows(table, layer="encoder", signal="output")}) == [0, 1]
+    assert sorted({r["call_index"] for r in rows(table, layer="encoder", signal="output")}) == [
+        0,
+        1,
+    ]
     assert rows(table, layer="", signal="output", metric="mean")[0]["module_type"] == "Tied"
 
 
@@ -246,12 +261,23 @@ def test_direct_forward_capture_counts_each_call_once(direct: bool) -> None:
         called_out = model.child(x * 2).numpy()
     if direct:
         assert [r["call_index"] for r in calls] == [0, 1]
-        assert_matches(stats(table, sample_id=1, layer="child", call_index=0, signal="output"), reference(direct_out))
-        assert_matches(stats(table, sample_id=1, layer="child", call_index=1, signal="output"), reference(called_out))
-        assert len(rows(table, sample_id=1, layer="child", signal="output_gradient", metric="mean")) == 2
+        assert_matches(
+            stats(table, sample_id=1, layer="child", call_index=0, signal="output"),
+            reference(direct_out),
+        )
+        assert_matches(
+            stats(table, sample_id=1, layer="child", call_index=1, signal="output"),
+            reference(called_out),
+        )
+        assert (
+            len(rows(table, sample_id=1, layer="child", signal="output_gradient", metric="mean"))
+            == 2
+        )
     else:
         assert [r["call_index"] for r in calls] == [0]
-        assert_matches(stats(table, sample_id=1, layer="child", signal="output"), reference(called_out))
+        assert_matches(
+            stats(table, sample_id=1, layer="child", signal="output"), reference(called_out)
+        )
     assert hook_state(model) == before
     assert "forward" not in model.child.__dict__
 

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 
 import numpy as np
 import pytest
 import torch
 from _core_helpers import assert_matches, reference, rows, stats
-from ti_schema.testing import assert_history_conforms
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ti_core import AlwaysSampler, MemorySink, inject_observer, observe, remove_observer
 from ti_core.capture import GradientState
+from ti_schema.testing import assert_history_conforms
 
 
 def retained(tensor: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,8 @@ def test_outstanding_forwards_backpropagated_in_reverse_order() -> None:
         got = stats(table, sample_id=sample, layer=layer, signal="output_gradient")
         assert_matches(got, reference(grad), rtol=1e-12)
         row = rows(table, sample_id=sample, layer=layer, signal="output_gradient")[0]
-        assert row["forward_index"] == sample and row["mode"] == "train"
+        assert row["forward_index"] == sample
+        assert row["mode"] == "train"
     # backward rows carry backward time: sample 1's gradients were seen before sample 0's
     t0 = rows(table, sample_id=0, layer="0", signal="output_gradient")[0]["timestamp"]
     t1 = rows(table, sample_id=1, layer="0", signal="output_gradient")[0]["timestamp"]
@@ -99,7 +101,8 @@ def test_gradients_inherit_the_forward_context() -> None:
         model.train()
         out.sum().backward()
     grad_row = rows(sink.table(), signal="output_gradient", metric="mean")[0]
-    assert grad_row["mode"] == "eval" and grad_row["grad_enabled"] is True
+    assert grad_row["mode"] == "eval"
+    assert grad_row["grad_enabled"] is True
 
 
 class Branches(nn.Module):
@@ -116,30 +119,15 @@ class Branches(nn.Module):
 def test_detached_branch_has_output_rows_but_no_gradient_rows() -> None:
     model = Branches()
     sink = MemorySink()
-    with warnings_as_errors(), observe(model, sink=sink, sampler=AlwaysSampler()):
-        main, _side = model(torch.randn(2, 3))
-        main.sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with observe(model, sink=sink, sampler=AlwaysSampler()):
+            main, _side = model(torch.randn(2, 3))
+            main.sum().backward()
     table = sink.table()
     assert rows(table, layer="side", signal="output")
     assert not rows(table, layer="side", signal="output_gradient")
     assert_matches(stats(table, layer="main", signal="output_gradient"), reference(np.ones((2, 3))))
-
-
-def warnings_as_errors():  # type: ignore[no-untyped-def]
-    import warnings
-
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.simplefilter("error")
-
-    class _Exit:
-        def __enter__(self) -> None:
-            return None
-
-        def __exit__(self, *exc: object) -> None:
-            ctx.__exit__(*exc)
-
-    return _Exit()
 
 
 def test_first_backward_per_tensor_is_recorded() -> None:
@@ -152,7 +140,8 @@ def test_first_backward_per_tensor_is_recorded() -> None:
         (5.0 * out.sum()).backward(retain_graph=True)
         (7.0 * out.sum()).backward()
     grads = rows(sink.table(), signal="output_gradient", metric="mean")
-    assert len(grads) == 1 and grads[0]["value"] == 1.0
+    assert len(grads) == 1
+    assert grads[0]["value"] == 1.0
 
 
 def test_integer_outputs_have_no_gradient_rows() -> None:
@@ -173,7 +162,7 @@ def test_integer_outputs_have_no_gradient_rows() -> None:
 
 def _live_gradient_states() -> int:
     gc.collect()
-    return sum(isinstance(o, GradientState) for o in gc.get_objects())
+    return sum(type(o) is GradientState for o in gc.get_objects())
 
 
 def test_forward_without_backward_leaks_nothing() -> None:
@@ -228,7 +217,16 @@ def _run(model: nn.Module, x: torch.Tensor) -> list[dict[str, object]]:
             model(x).pow(2).sum().backward()
     table = sink.table()
     assert_history_conforms(table)
-    keys = ("sample_id", "layer", "call_index", "signal", "tensor_path", "mode", "grad_enabled", "metric")
+    keys = (
+        "sample_id",
+        "layer",
+        "call_index",
+        "signal",
+        "tensor_path",
+        "mode",
+        "grad_enabled",
+        "metric",
+    )
     return sorted(
         ({k: r[k] for k in (*keys, "value", "unavailable_reason")} for r in table.to_pylist()),
         key=lambda r: tuple(str(r[k]) for k in keys),
@@ -245,7 +243,9 @@ def test_non_reentrant_checkpointing_equals_a_plain_run() -> None:
     assert len(got) == len(expected)
     assert {r["layer"] for r in got} == {"inp", "block.a", "block.act", "block.b", "out"}
     for g, e in zip(got, expected, strict=True):
-        assert {k: v for k, v in g.items() if k != "value"} == {k: v for k, v in e.items() if k != "value"}
+        assert {k: v for k, v in g.items() if k != "value"} == {
+            k: v for k, v in e.items() if k != "value"
+        }
         assert g["value"] == pytest.approx(e["value"], rel=1e-6, abs=1e-9)
 
 
@@ -255,7 +255,8 @@ def test_reentrant_checkpointing_records_a_gap_never_wrong_numbers() -> None:
     checked.mode = "reentrant"
     x = torch.randn(5, 6)
     expected = {
-        (r["sample_id"], r["layer"], r["call_index"], r["signal"], r["metric"]): r["value"] for r in _run(plain, x)
+        (r["sample_id"], r["layer"], r["call_index"], r["signal"], r["metric"]): r["value"]
+        for r in _run(plain, x)
     }
     got = _run(checked, x)
     inner = {"block.a", "block.act", "block.b"}
@@ -266,5 +267,9 @@ def test_reentrant_checkpointing_records_a_gap_never_wrong_numbers() -> None:
             assert "reentrant" in str(r["unavailable_reason"])
         else:
             assert r["value"] == pytest.approx(expected[key], rel=1e-6, abs=1e-9)
-    gaps = {(r["sample_id"], r["layer"]) for r in got if r["signal"] == "output_gradient" and r["layer"] in inner}
+    gaps = {
+        (r["sample_id"], r["layer"])
+        for r in got
+        if r["signal"] == "output_gradient" and r["layer"] in inner
+    }
     assert gaps == {(s, layer) for s in (0, 1) for layer in inner}

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ti_core.histograms import HistogramData, compute_histograms, single_value_limit
 
 DTYPES = (
@@ -60,7 +61,9 @@ def check(h: HistogramData, t: torch.Tensor, bins: int) -> None:
     np.testing.assert_array_equal(h.bucket_counts, expected)
 
 
-def sample(gen: np.random.Generator, dtype: torch.dtype, size: int, nonfinite: float) -> torch.Tensor:
+def sample(
+    gen: np.random.Generator, dtype: torch.dtype, size: int, nonfinite: float
+) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.from_numpy(gen.random(size) < 0.4)
     if not dtype.is_floating_point:

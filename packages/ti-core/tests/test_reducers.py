@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ti_core import _selection
 from ti_core.reducers import (
     DefaultProfile,
@@ -213,7 +214,7 @@ def test_large_tensors_with_ties_nans_and_no_finite_entries() -> None:
     ties = torch.from_numpy(gen.integers(0, 4, 500_000).astype(np.float32))
     constant = torch.full((200_001,), 3.25)
     nan_heavy = torch.from_numpy(gen.normal(size=400_000).astype(np.float32))
-    nan_heavy[: 300_000 : 2] = math.nan
+    nan_heavy[:300_000:2] = math.nan
     nan_heavy[1:1000:7] = -math.inf
     all_inf = torch.full((100_000,), math.inf)
     sorted_desc = torch.arange(300_000, 0, -1, dtype=torch.float64)

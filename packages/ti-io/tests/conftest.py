@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+
 from ti_core.sink import LayerInfo, RunInfo
 from ti_schema import DEFAULT_METRICS, histogram_schema, history_schema
 

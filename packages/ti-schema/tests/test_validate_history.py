@@ -336,3 +336,17 @@ def test_metadata_argument_replaces_a_lost_one(table: pa.Table, tmp_path: Path) 
     validate_history(stripped, metadata=pq.read_metadata(path).metadata)
     as_text = {"ti": table.schema.metadata[b"ti"].decode()}
     validate_history(stripped, metadata=as_text)
+
+
+def test_domains_are_checked_across_chunks_with_different_dictionaries() -> None:
+    good = example_history_table(18, dictionary=True)
+    modes = ["eval"] * 9 + ["predict"] * 9
+    field = good.schema.field("mode")
+    bad = good.set_column(
+        good.column_names.index("mode"), field, pa.array(modes).dictionary_encode()
+    )
+    combined = pa.concat_tables([good, bad])
+    assert combined.column("mode").num_chunks == 2
+    with pytest.raises(SchemaMismatchError, match=r"column 'mode': holds \['predict'\]"):
+        validate_history(combined)
+    validate_history(pa.concat_tables([good, good]))

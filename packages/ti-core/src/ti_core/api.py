@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from os import PathLike
@@ -16,9 +16,9 @@ from typing import Any
 
 import pyarrow as pa
 from torch import nn
-from ti_schema import histogram_schema, history_schema
 
 from ti_core import resolve
+from ti_core.capture import scrub_copied_hooks
 from ti_core.errors import ErrorPolicy, ObserverAlreadyAttachedError
 from ti_core.observer import ATTRIBUTE, Observer
 from ti_core.ranks import RankPolicy
@@ -32,6 +32,7 @@ from ti_core.sampling import (
 )
 from ti_core.selection import Selector, select_modules, unwrap_compiled
 from ti_core.sink import RunInfo, Sink
+from ti_schema import histogram_schema, history_schema
 
 DEFAULT_OUTPUT_DIR = "stats"
 
@@ -49,6 +50,9 @@ def has_observer(model: nn.Module) -> bool:
 
 
 def _check_sink(candidate: object, where: str) -> Sink:
+    if isinstance(candidate, type):
+        name = candidate.__name__
+        raise TypeError(f"{where} got the class {name}; pass an instance, e.g. {name}()")
     if not isinstance(candidate, Sink):
         raise TypeError(
             f"{where} must implement the Sink protocol (open, write_history, write_histograms, "
@@ -62,7 +66,7 @@ def _resolve_sinks(
 ) -> list[Sink]:
     given: list[Sink] = []
     if sink is not None:
-        if isinstance(sink, Sink):
+        if isinstance(sink, Sink) and not isinstance(sink, type):
             given = [sink]
         elif isinstance(sink, Sequence) and not isinstance(sink, str | bytes):
             given = [_check_sink(s, f"sink[{i}]") for i, s in enumerate(sink)]
@@ -86,7 +90,10 @@ def _resolve_sinks(
             f"output_dir={str(output_dir)!r} and a {factory.__name__} in sink= both name a "
             "directory: pass the directory once, either output_dir= or sink=, not both"
         )
-    return [_check_sink(factory(output_dir), f"the directory sink for output_dir={output_dir!r}"), *given]
+    return [
+        _check_sink(factory(output_dir), f"the directory sink for output_dir={output_dir!r}"),
+        *given,
+    ]
 
 
 def _resolve_sampler(sampler: Sampler | None, interval: timedelta | float) -> Sampler:
@@ -97,7 +104,7 @@ def _resolve_sampler(sampler: Sampler | None, interval: timedelta | float) -> Sa
             "sampler= and interval= were both given; interval= only configures the default "
             "TimedSampler: pass sampler=TimedSampler(interval) or interval= alone"
         )
-    if not callable(getattr(sampler, "should_sample", None)):
+    if isinstance(sampler, type) or not callable(getattr(sampler, "should_sample", None)):
         raise TypeError(
             f"sampler= must have should_sample(forward_index) -> bool (e.g. AlwaysSampler(), "
             f"EveryNForwardsSampler(n), TimedSampler(interval)), got {sampler!r}"
@@ -147,7 +154,9 @@ def inject_observer(
     if not isinstance(capture_direct_forwards, bool):
         raise TypeError(f"capture_direct_forwards= must be a bool, got {capture_direct_forwards!r}")
     if isinstance(max_histogram_modules, bool) or not isinstance(max_histogram_modules, int):
-        raise TypeError(f"max_histogram_modules= must be an int >= 0, got {max_histogram_modules!r}")
+        raise TypeError(
+            f"max_histogram_modules= must be an int >= 0, got {max_histogram_modules!r}"
+        )
     if max_histogram_modules < 0:
         raise ValueError(
             f"max_histogram_modules={max_histogram_modules} must be >= 0 (0 turns histograms off)"
@@ -201,10 +210,8 @@ def inject_observer(
             opened.append(s)
     except BaseException:
         for s in reversed(opened):
-            try:
+            with suppress(Exception):  # the open failure is the error worth reporting
                 s.close()
-            except Exception:  # the open failure is the error worth reporting
-                pass
         raise
     reset = getattr(chosen_sampler, "reset", None)
     if callable(reset):
@@ -233,8 +240,10 @@ def remove_observer(model: nn.Module) -> None:
     """
     observer = getattr(model, "__dict__", {}).get(ATTRIBUTE)
     if not isinstance(observer, Observer):
-        if ATTRIBUTE in getattr(model, "__dict__", {}):
-            del model.__dict__[ATTRIBUTE]  # a copy's detached placeholder
+        if isinstance(model, nn.Module):  # a copy of an observed model: drop what it inherited
+            model.__dict__.pop(ATTRIBUTE, None)
+            for module in model.modules():
+                scrub_copied_hooks(module)
         return
     try:
         failures = observer.detach()

@@ -56,7 +56,9 @@ def tensor_leaves(output: object) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def _walk(obj: object, path: str, out: list[tuple[str, torch.Tensor]], depth: int, seen: set[int]) -> None:
+def _walk(
+    obj: object, path: str, out: list[tuple[str, torch.Tensor]], depth: int, seen: set[int]
+) -> None:
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))
         return
@@ -71,7 +73,8 @@ def _walk(obj: object, path: str, out: list[tuple[str, torch.Tensor]], depth: in
             for k, v in obj.items():
                 _walk(v, f"{path}[{k!r}]", out, depth + 1, seen)
         elif isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
-            for name, v in zip(type(obj)._fields, obj, strict=False):
+            fields: tuple[str, ...] = type(obj)._fields  # type: ignore[attr-defined]
+            for name, v in zip(fields, obj, strict=False):
                 _walk(v, f"{path}.{name}", out, depth + 1, seen)
         elif isinstance(obj, list | tuple):
             for i, v in enumerate(obj):
@@ -160,7 +163,11 @@ class TensorBatch:
         self._available.append(available)
         self._reasons.extend(reasons)
         self._positions.extend(positions)
-        focus = [(p, t) for p, t in zip(positions, tensors, strict=True) if self.entries[p].layer in self._focus]
+        focus = [
+            (p, t)
+            for p, t in zip(positions, tensors, strict=True)
+            if self.entries[p].layer in self._focus
+        ]
         if focus:
             try:
                 from ti_core.histograms import compute_histograms
@@ -195,13 +202,54 @@ class TensorBatch:
 # ----------------------------------------------------------------------------- hook objects
 
 
+_HOOK_DICTS: Final[tuple[str, ...]] = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_ID_SETS: Final[tuple[str, ...]] = (
+    "_forward_hooks_always_called",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
 def _inert(*args: object, **kwargs: object) -> None:
-    """What a copied hook becomes: does nothing, returns None."""
-    return None
+    """What a copied hook becomes: returns None, and on a module call removes its kind."""
+    if args and isinstance(args[0], nn.Module):
+        scrub_copied_hooks(args[0])
 
 
 def _inert_factory() -> Callable[..., None]:
     return _inert
+
+
+class PassthroughForward:
+    """What a copied :class:`ForwardOverride` becomes: the class ``forward`` of its module."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def _copied_forward(module: nn.Module, previous: Callable[..., Any] | None) -> Callable[..., Any]:
+    return previous if previous is not None else PassthroughForward(module)
+
+
+def scrub_copied_hooks(module: nn.Module) -> None:
+    """Remove what a copy of an observed module inherited (inert hooks, passthrough forward)."""
+    for dict_name in _HOOK_DICTS:
+        hooks = module.__dict__.get(dict_name)
+        if not hooks:
+            continue
+        for key in [k for k, v in hooks.items() if v is _inert]:
+            del hooks[key]
+            for set_name in _HOOK_ID_SETS:
+                ids = module.__dict__.get(set_name)
+                if isinstance(ids, dict):
+                    ids.pop(key, None)
+    if isinstance(module.__dict__.get("forward"), PassthroughForward):
+        del module.__dict__["forward"]
 
 
 class _Hook:
@@ -209,7 +257,7 @@ class _Hook:
 
     __slots__ = ()
 
-    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (_inert_factory, ())
 
 
@@ -271,6 +319,9 @@ class ForwardOverride(_Hook):
         module = self.module_ref()
         return None if module is None else type(module).forward.__get__(module)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_copied_forward, (self.module_ref(), self.previous))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
         if self.previous is not None:
@@ -318,7 +369,7 @@ class GradientState:
     def watch(self, entry: Entry, tensor: torch.Tensor) -> None:
         """Register the gradient hook of ``tensor`` (a non-leaf that requires grad)."""
         self.entries.append(entry)
-        tensor.register_hook(GradHook(self, len(self.entries) - 1))
+        tensor.register_hook(GradHook(self, len(self.entries) - 1))  # type: ignore[no-untyped-call]
 
     def receive(self, index: int, grad: torch.Tensor) -> None:
         observer = self.observer_ref()
@@ -393,4 +444,3 @@ def install_forward_override(
             del target.__dict__["forward"]
 
     return restore
-

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ti_core import _cpu_scan
 from ti_core import _selection as sel
 from ti_core.reducers import unsupported_reason
 
@@ -66,7 +67,11 @@ def compute_histograms(tensors: Sequence[torch.Tensor], bins: int = 30) -> list[
             if t.numel() == 0 or unsupported_reason(t) is not None:
                 results[i] = _empty(0)
                 continue
-            pending.setdefault(t.device, []).append((i, _device_row(t, bins)))
+            if t.device.type == "cpu" and t.numel() > _LARGE:
+                row = torch.from_numpy(_cpu_scan.histogram_large(_flat_float(t).numpy(), bins))
+            else:
+                row = _device_row(t, bins)
+            pending.setdefault(t.device, []).append((i, row))
         for items in pending.values():
             host = torch.cat([row for _, row in items]).cpu().numpy()  # one transfer per device
             width = 6 + 2 * bins + 1
@@ -88,8 +93,12 @@ def _empty(nonfinite: int) -> HistogramData:
     )
 
 
+_LARGE = 1 << 16
+"""CPU tensors with more entries take the cache-blocked numpy pass."""
+
+
 def _flat_float(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1)
+    flat = t.detach().reshape(-1)
     if flat.dtype in (torch.float32, torch.float64):
         return flat.contiguous()
     if flat.dtype in (torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint8):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 
 import pyarrow as pa
-from ti_schema import histogram_schema, history_schema
 
 from ti_core.sink import RunInfo
+from ti_schema import histogram_schema, history_schema
 
 
 class MemorySink:
@@ -69,4 +69,6 @@ class MemorySink:
         return pa.Table.from_batches(batches, schema=schema)
 
     def __repr__(self) -> str:
-        return f"MemorySink(batches={len(self._history)}, histogram_batches={len(self._histograms)})"
+        return (
+            f"MemorySink(batches={len(self._history)}, histogram_batches={len(self._histograms)})"
+        )

@@ -72,7 +72,9 @@ def _identity(
     lengths = np.fromiter((len(e.shape) for e in entries), dtype=np.int32, count=n)
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    dims = np.fromiter((d for e in entries for d in e.shape), dtype=np.int64, count=int(offsets[-1]))
+    dims = np.fromiter(
+        (d for e in entries for d in e.shape), dtype=np.int64, count=int(offsets[-1])
+    )
     shapes = pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims, pa.int64()))
     paths = pa.array([e.path for e in entries], pa.string())
     dtypes = pa.array([e.dtype for e in entries], pa.string())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ti_core import _cpu_scan
 from ti_core import _selection as sel
 from ti_schema import DEFAULT_METRICS
 
@@ -179,6 +180,7 @@ class ReductionPlan:
                     f"reducers[{i}] is a {type(spec).__name__}; each item must be "
                     "DefaultProfile() or Reducer(name, fn)"
                 )
+        self._finite_metric = np.array([c < _FINITE_COLS for c in self._default_cols], dtype=bool)
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(
@@ -190,7 +192,7 @@ class ReductionPlan:
     def reduce(self, tensors: Sequence[torch.Tensor]) -> Measurements:
         """Measure every tensor with every reducer; never raises for a tensor's content."""
         n, m = len(tensors), len(self.metric_names)
-        values = np.zeros((n, m), dtype=np.float64)
+        values = np.full((n, m), np.nan, dtype=np.float64)
         available = np.zeros((n, m), dtype=bool)
         reasons: list[list[str | None]] = [[None] * m for _ in range(n)]
         errors: list[BaseException] = []
@@ -209,33 +211,48 @@ class ReductionPlan:
     def _run_default(
         self, tensors: Sequence[torch.Tensor], pending: _Pending, out: _Output
     ) -> None:
-        small: dict[tuple[torch.device, int], list[int]] = {}
+        # (device, size class) -> (shape, dtype) -> tensor indices. Size classes are powers of
+        # two, so padding a batch to its widest member at most doubles it.
+        # Tensors of one kind (device, shape, dtype, layout) share every decision below, so
+        # the per-tensor Python work is a dictionary append.
+        kinds: dict[tuple[torch.device, torch.Size, torch.dtype, torch.layout], list[int]] = {}
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 self._fail_default(out, i, f"not a tensor: {type(t).__name__}")
                 continue
-            why = unsupported_reason(t)
-            numel = t.numel() if why is None else 0
-            if why is not None:
-                self._fail_default(out, i, why)
-            elif numel == 0:
-                self._fail_default(out, i, EMPTY_REASON)
-            elif numel > _LARGE:
-                try:
-                    pending.add_large(i, t)
-                except Exception as exc:  # telemetry must not break training; caller decides
-                    self._fail_defaults(out, [i], exc)
+            key = (t.device, t.shape, t.dtype, t.layout)
+            same = kinds.get(key)
+            if same is None:
+                kinds[key] = [i]
             else:
-                # Size classes (powers of two) bound the padding of a batch to under 2x.
-                small.setdefault((t.device, (numel - 1).bit_length()), []).append(i)
-        for (device, _), idx in small.items():
-            for chunk in _batches(idx, tensors):
+                same.append(i)
+        # (device, size class) -> (shape, dtype) -> tensor indices. Size classes are powers of
+        # two, so padding a batch to its widest member at most doubles it.
+        small: dict[tuple[torch.device, int], dict[tuple[torch.Size, torch.dtype], list[int]]] = {}
+        for (device, shape, dtype, _), idx in kinds.items():
+            why = unsupported_reason(tensors[idx[0]])
+            numel = math.prod(shape)
+            if why is not None or numel == 0:
+                for i in idx:
+                    self._fail_default(out, i, why or EMPTY_REASON)
+            elif numel > _LARGE:
+                for i in idx:
+                    try:
+                        pending.add_large(i, tensors[i])
+                    except Exception as exc:  # telemetry must not break training
+                        self._fail_defaults(out, [i], exc)
+            else:
+                by_shape = small.setdefault((device, (numel - 1).bit_length()), {})
+                by_shape[(shape, dtype)] = idx
+        for (device, _), by_shape in small.items():
+            for batch in _batches(by_shape):
+                idx = [i for part in batch for i in part]
                 try:
-                    rows = _batched_rows([tensors[i] for i in chunk], device)
+                    rows = _batched_rows([[tensors[i] for i in part] for part in batch], device)
                 except Exception as exc:
-                    self._fail_defaults(out, chunk, exc)
+                    self._fail_defaults(out, idx, exc)
                 else:
-                    pending.add_rows(device, chunk, rows)
+                    pending.add_rows(device, idx, rows)
 
     def _fail_defaults(self, out: _Output, idx: list[int], exc: Exception) -> None:
         out.errors.append(exc)
@@ -247,18 +264,18 @@ class ReductionPlan:
             out.available[i, col] = False
             out.reasons[i][col] = reason
 
-    def fill_default(self, out: _Output, i: int, row: np.ndarray) -> None:
-        """Write one device row (DEFAULT_METRICS order + finite count) into the output."""
-        has_finite = row[_NF] > 0
-        for src, col in zip(self._default_cols, self._default_out, strict=True):
-            v = float(row[src])
-            if src < _FINITE_COLS and not has_finite:
-                out.reasons[i][col] = NO_FINITE_REASON
-            elif math.isfinite(v):
-                out.values[i, col] = v
-                out.available[i, col] = True
-            else:
-                out.reasons[i][col] = OVERFLOW_REASON
+    def fill_default(self, out: _Output, idx: list[int], block: np.ndarray) -> None:
+        """Write device rows (DEFAULT_METRICS order + finite count) of tensors ``idx``."""
+        rows = np.asarray(idx)
+        cols = np.asarray(self._default_out)
+        vals = block[:, self._default_cols]
+        no_finite = (block[:, _NF] <= 0)[:, None] & self._finite_metric[None, :]
+        ok = np.isfinite(vals) & ~no_finite
+        out.values[rows[:, None], cols[None, :]] = np.where(ok, vals, np.nan)
+        out.available[rows[:, None], cols[None, :]] = ok
+        for r, c in zip(*np.nonzero(~ok), strict=True):
+            reason = NO_FINITE_REASON if no_finite[r, c] else OVERFLOW_REASON
+            out.reasons[idx[r]][self._default_out[c]] = reason
 
     # -- custom reducers ---------------------------------------------------------------------
 
@@ -322,7 +339,7 @@ class _Pending:
 
     def add_large(self, i: int, t: torch.Tensor) -> None:
         if t.device.type == "cpu":
-            row = _large_row_exact(_flat_float(t))
+            row = torch.from_numpy(_cpu_scan.reduce_large(_flat_float(t).numpy()))
         else:
             row = _large_row_optimistic(_flat_float(t))
             self.retry.add(i)
@@ -352,12 +369,12 @@ class _Pending:
             for idx, rows in groups:
                 block = host[pos : pos + rows.numel()].reshape(len(idx), _ROW)
                 pos += rows.numel()
-                for i, row in zip(idx, block, strict=True):
-                    final: np.ndarray | None = row
-                    if i in self.retry and row[_NF] != tensors[i].numel():
-                        final = _retry_exact(plan, out, i, tensors[i])
-                    if final is not None:
-                        plan.fill_default(out, i, final)
+                plan.fill_default(out, idx, block)
+                for k, i in enumerate(idx):
+                    if i in self.retry and block[k, _NF] != tensors[i].numel():
+                        row = _retry_exact(plan, out, i, tensors[i])
+                        if row is not None:
+                            plan.fill_default(out, [i], row.reshape(1, _ROW))
             for i, col, name, _ in customs:
                 _store_custom(out, i, col, name, float(host[pos]))
                 pos += 1
@@ -377,44 +394,46 @@ def _retry_exact(plan: ReductionPlan, out: _Output, i: int, t: torch.Tensor) -> 
 # -- batched small tensors ---------------------------------------------------------------------
 
 
-def _batches(idx: list[int], tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Split one size class into batches of bounded padded size."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    width = 0
-    for i in idx:
-        w = max(width, tensors[i].numel())
-        if cur and w * (len(cur) + 1) > _BATCH_ELEMENTS:
-            out.append(cur)
-            cur, w = [], tensors[i].numel()
-        cur.append(i)
-        width = w
+def _batches(by_shape: dict[tuple[torch.Size, torch.dtype], list[int]]) -> list[list[list[int]]]:
+    """Split one size class into batches (lists of same shape-and-dtype parts) whose padded
+    matrix stays under ``_BATCH_ELEMENTS`` entries."""
+    width = max(math.prod(shape) for shape, _ in by_shape)
+    per_batch = max(1, _BATCH_ELEMENTS // width)
+    batches: list[list[list[int]]] = []
+    cur: list[list[int]] = []
+    room = per_batch
+    for part in by_shape.values():
+        while part:
+            take, part = part[:room], part[room:]
+            cur.append(take)
+            room -= len(take)
+            if room == 0:
+                batches.append(cur)
+                cur, room = [], per_batch
     if cur:
-        out.append(cur)
-    return out
+        batches.append(cur)
+    return batches
 
 
-def _batched_rows(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Default-profile rows of same-device small tensors, reduced together in float64."""
+def _batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """Default-profile rows of same-device small tensors, reduced together in float64.
+
+    Each part holds tensors of one shape and dtype; the parts become the rows of one
+    NaN-padded float64 matrix (padding is neither finite nor zero).
+    """
     f64 = torch.float64
-    lengths = [t.numel() for t in ts]
-    k, width = len(ts), max(lengths)
-    flats = [t.reshape(-1) for t in ts]
-    if min(lengths) == width:
-        x = torch.empty((k, width), dtype=f64, device=device)
-        torch.cat(flats, out=x.view(-1))
-        numel = torch.full((k,), float(width), dtype=f64, device=device)
-    else:
-        total = sum(lengths)
-        flat = torch.empty(total, dtype=f64, device=device)
-        torch.cat(flats, out=flat)
-        lens = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
-        starts = torch.cumsum(lens, 0) - lens
-        rows = torch.repeat_interleave(torch.arange(k, device=device), lens, output_size=total)
-        dest = torch.arange(total, device=device) + (rows * width - starts[rows])
-        x = torch.full((k, width), math.nan, dtype=f64, device=device)
-        x.view(-1)[dest] = flat  # padding stays NaN: not finite, not zero
-        numel = lens.to(f64)
+    widths = [parts_[0].numel() for parts_ in parts]
+    width = max(widths)
+    blocks = []
+    lengths: list[int] = []
+    for part, w in zip(parts, widths, strict=True):
+        block = torch.stack(part).reshape(len(part), w).to(f64)
+        if w < width:
+            block = torch.nn.functional.pad(block, (0, width - w), value=math.nan)
+        blocks.append(block)
+        lengths += [w] * len(part)
+    x = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    numel = torch.tensor(lengths, dtype=f64).to(device, non_blocking=True)
     finite = torch.isfinite(x)
     nf = finite.sum(1).to(f64)
     zeros = (x == 0).sum(1).to(f64)
@@ -422,16 +441,23 @@ def _batched_rows(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     mean = xf.sum(1) / nf
     d = torch.where(finite, x - mean[:, None], 0.0)
     std = torch.sqrt((d * d).sum(1) / nf)
-    ordered = torch.where(finite, x, math.inf).sort(dim=1).values
+    key = torch.where(finite, x, math.inf)
+    if key.device.type == "cpu":
+        ordered = torch.from_numpy(np.sort(key.numpy(), axis=1))  # SIMD sort, no indices
+    else:
+        ordered = key.sort(dim=1).values
     last = (nf - 1).clamp(min=0)
-    cols = [mean, std, ordered[:, 0], ordered.gather(1, last.long()[:, None])[:, 0]]
+    ranks = [last]
+    fracs = []
     for q in sel.QUANTILES:
         pos = q * last
         lo = pos.floor()
-        hi = torch.minimum(lo + 1, last)
-        a = ordered.gather(1, lo.long()[:, None])[:, 0]
-        b = ordered.gather(1, hi.long()[:, None])[:, 0]
-        cols.append(sel.lerp(a, b, pos - lo))
+        ranks += [lo, torch.minimum(lo + 1, last)]
+        fracs.append(pos - lo)
+    picked = ordered.gather(1, torch.stack(ranks, dim=1).long())
+    cols = [mean, std, ordered[:, 0], picked[:, 0]]
+    for j, frac in enumerate(fracs):
+        cols.append(sel.lerp(picked[:, 1 + 2 * j], picked[:, 2 + 2 * j], frac))
     cols += [zeros / numel, (numel - nf) / numel, nf]
     return torch.stack(cols, dim=1)
 
@@ -441,7 +467,7 @@ def _batched_rows(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 def _flat_float(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a 1-D float32/float64 tensor holding exactly its values."""
-    flat = t.reshape(-1)
+    flat = t.detach().reshape(-1)
     if flat.dtype in _EXACT_F32:
         return flat.to(torch.float32)
     if flat.dtype in _AS_F64:

@@ -62,7 +62,7 @@ class SingleProcess:
 def rank_policy(policy: str | RankPolicy) -> RankPolicy:
     """Resolve ``rank_policy=``: an object with ``select()`` wins, a name is looked up."""
     if not isinstance(policy, str):
-        if callable(getattr(policy, "select", None)):
+        if not isinstance(policy, type) and callable(getattr(policy, "select", None)):
             return policy
         raise TypeError(
             f"rank_policy= must be a name ({', '.join(BUILTIN_RANK_POLICY_NAMES)}) or an object "

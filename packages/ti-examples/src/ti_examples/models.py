@@ -107,3 +107,22 @@ class FeatureBankNet(nn.Module):
                 self.bank = h.detach()
         out: torch.Tensor = self.head(h)
         return out
+
+
+class HiddenNormMLP(nn.Module):
+    """``fc1 -> act -> norm -> fc2``: the hidden features are layer-normalized (no affine).
+
+    The normalized features have a fixed scale, so any growth of the output comes from ``fc2``'s
+    weights alone.
+    """
+
+    def __init__(self, in_features: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.act = nn.ReLU()
+        self.norm = nn.LayerNorm(hidden, elementwise_affine=False)
+        self.fc2 = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc2(self.norm(self.act(self.fc1(x))))
+        return out

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from ti_examples.models import MLP, FeatureBankNet, StandardizedMLP
+from ti_examples.models import MLP, FeatureBankNet, HiddenNormMLP, StandardizedMLP
 
 Variant = Literal["baseline", "broken", "fixed"]
 VARIANTS: tuple[Variant, ...] = ("baseline", "broken", "fixed")
@@ -125,21 +125,24 @@ class Saturation(Problem):
 class ScaleGrowth(Problem):
     name = "scale_growth"
     fault = (
-        "A learning-rate schedule bug multiplies the learning rate by 40; the updates overshoot "
-        "and the weights, and with them the outputs, grow with every step."
+        "A learning-rate schedule bug multiplies the learning rate by 18; every update "
+        "overshoots, so fc2's weights, and with them the model output, grow step after step."
     )
-    evidence = "The model output's std (fc2) grows by orders of magnitude after the onset."
+    evidence = (
+        "The model output's std (fc2) grows by orders of magnitude after the onset, while the "
+        "normalized features feeding it keep their scale."
+    )
     fix = "Gradient-norm clipping (max_norm=0.1) bounds every update, so the scale stays put."
     panels = (
         Panel("fc2", "output", "std", log_scale=True),
-        Panel("fc1", "output", "std", log_scale=True),
+        Panel("norm", "output", "std", log_scale=True),
     )
     lr = 0.02
-    lr_factor: ClassVar[float] = 36.0
+    lr_factor: ClassVar[float] = 18.0
     max_norm: ClassVar[float] = 0.1
 
     def build_model(self, variant: Variant) -> nn.Module:
-        return MLP(IN_FEATURES, HIDDEN, nn.Tanh())
+        return HiddenNormMLP(IN_FEATURES, HIDDEN)
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=self.lr)

@@ -74,7 +74,8 @@ def _summary_frame(directory: Path, metrics: Sequence[str], signals: Sequence[st
     executed = set(table.get_column("layer").to_list())
     missing = [info.name for info in catalog if info.name not in executed]
     table = table.with_columns(
-        pl.col("layer").replace_strict(order, default=len(order), return_dtype=pl.Int64)
+        pl.col("layer")
+        .replace_strict(order, default=len(order), return_dtype=pl.Int64)
         .alias("_layer_order"),
         pl.col("metric")
         .replace_strict(metric_order, default=len(metric_order), return_dtype=pl.Int64)
@@ -92,7 +93,10 @@ def _summary_frame(directory: Path, metrics: Sequence[str], signals: Sequence[st
     table = table.rename({"call_index": "call", "latest_sample": "sample"})
     if missing:
         unexecuted = pl.DataFrame(
-            {"layer": [display_name(n) for n in missing], "signal": ["(not executed)"] * len(missing)}
+            {
+                "layer": [display_name(n) for n in missing],
+                "signal": ["(not executed)"] * len(missing),
+            }
         )
         table = pl.concat([table, unexecuted], how="diagonal_relaxed")
     return table

@@ -14,15 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
-from ti_schema import histogram_schema, history_schema
 
 from ti_io.config import HistoryConfig
+from ti_io.digest import HistoryDigest
 from ti_io.errors import NothingToConsolidateError
 from ti_io.facts import RunFacts, read_run_facts
-from ti_io.index_md import history_facts, write_index
+from ti_io.index_md import write_index
 from ti_io.layout import (
     HISTOGRAM_PARTS,
     HISTOGRAMS_FILE,
@@ -34,7 +33,8 @@ from ti_io.layout import (
     publish_with,
     retire_dir,
 )
-from ti_io.result_json import aggregate, build_records, write_result_json
+from ti_io.result_json import build_records, write_result_json
+from ti_schema import histogram_schema, history_schema
 
 FINAL_COMPRESSION: Final[str] = "zstd"
 ROW_GROUP_ROWS: Final[int] = 131_072
@@ -52,8 +52,11 @@ class Consolidated:
     already_done: bool = False
 
 
-def _stream_parts(parts: list[Path], final: Path, schema: pa.Schema) -> int:
-    """Concatenate ``parts`` into ``final`` part by part; returns the rows written."""
+def _stream_parts(
+    parts: list[Path], final: Path, schema: pa.Schema, digest: HistoryDigest | None = None
+) -> int:
+    """Concatenate ``parts`` into ``final`` part by part (folding each into ``digest``);
+    returns the rows written."""
     rows = 0
 
     def write(tmp: Path) -> None:
@@ -63,6 +66,8 @@ def _stream_parts(parts: list[Path], final: Path, schema: pa.Schema) -> int:
             pending_rows = 0
             for part in parts:
                 table = pq.read_table(part).cast(schema)
+                if digest is not None:
+                    digest.add(table)
                 pending.append(table)
                 pending_rows += table.num_rows
                 if pending_rows >= ROW_GROUP_ROWS:
@@ -82,34 +87,26 @@ def _producer(facts: RunFacts) -> str:
 
 
 def finalize(directory: Path, facts: RunFacts) -> Consolidated:
-    """Write the final artifacts of ``directory`` from its parts (or its existing
-    history.parquet when no parts are left), then retire the parts."""
-    history_path = directory / HISTORY_FILE
-    histograms_path = directory / HISTOGRAMS_FILE
+    """Write the final artifacts of ``directory`` from its parts, then retire the parts.
+
+    Always rebuilds from the parts (none: an empty history), so running it again after an
+    interruption gives the same result.
+    """
     history_parts = list_parts(directory / HISTORY_PARTS)
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
     producer = _producer(facts)
-    if history_parts or not history_path.exists():
-        history_rows = _stream_parts(history_parts, history_path, history_schema(producer))
-    else:
-        history_rows = pq.read_metadata(history_path).num_rows
-    if histogram_parts or not histograms_path.exists():
-        histogram_rows = _stream_parts(
-            histogram_parts, histograms_path, histogram_schema(producer)
-        )
-    else:
-        histogram_rows = pq.read_metadata(histograms_path).num_rows
-
-    history = pl.scan_parquet(history_path)
-    aggregated = aggregate(history, facts.window).collect()
-    records = build_records(facts.layers, aggregated, window=facts.window, metrics=facts.metrics)
-    write_result_json(directory / RESULT_FILE, records)
-    write_index(
-        directory,
-        facts,
-        history_facts(history, pl.scan_parquet(histograms_path)),
-        live=False,
+    digest = HistoryDigest()
+    history_rows = _stream_parts(
+        history_parts, directory / HISTORY_FILE, history_schema(producer), digest
     )
+    histogram_rows = _stream_parts(
+        histogram_parts, directory / HISTOGRAMS_FILE, histogram_schema(producer)
+    )
+    records = build_records(
+        facts.layers, digest.aggregated(facts.window), window=facts.window, metrics=facts.metrics
+    )
+    write_result_json(directory / RESULT_FILE, records)
+    write_index(directory, facts, digest.facts(histogram_rows), live=False)
     retire_dir(directory / HISTORY_PARTS)
     retire_dir(directory / HISTOGRAM_PARTS)
     return Consolidated(

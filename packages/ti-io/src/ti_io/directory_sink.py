@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Final
 
 import pyarrow as pa
-from ti_core.sink import RunInfo
-from ti_schema import histogram_schema, history_schema
 
+from ti_core.sink import RunInfo
 from ti_io.config import HistoryConfig
 from ti_io.consolidate import finalize
 from ti_io.errors import ArtifactWriteError
@@ -35,6 +34,7 @@ from ti_io.layout import (
 from ti_io.parts import PartWriter, WriteFailure
 from ti_io.result_json import build_records, write_result_json
 from ti_io.tensorboard_sink import EventFileHistograms
+from ti_schema import histogram_schema, history_schema
 
 _STRING: Final[pa.DataType] = pa.string()
 
@@ -289,5 +289,5 @@ def _flush_live_sinks() -> None:
     for sink in list(_live_sinks):
         try:
             sink._flush_at_exit()
-        except Exception:  # noqa: S110 - exit path: nothing left to report to
+        except Exception:
             pass

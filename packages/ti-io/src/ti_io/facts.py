@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from ti_core.sink import LayerInfo, RunInfo
-
 from ti_io.layout import HISTORY_PARTS, RESULT_FILE, RUN_FILE, publish_text
 
 
@@ -139,7 +138,9 @@ def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
         metrics=_str_tuple(doc.get("metrics")),
         sampler=_opt_str(doc, "sampler"),
         window=stored_window if stored_window and stored_window > 0 else 20,
-        settings={str(k): str(v) for k, v in settings.items()} if isinstance(settings, dict) else {},
+        settings={str(k): str(v) for k, v in settings.items()}
+        if isinstance(settings, dict)
+        else {},
         pid=_opt_int(doc, "pid"),
         host=_opt_str(doc, "host"),
     )

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Final
 
 import polars as pl
-from ti_schema import METRIC_DEFINITIONS, SCHEMA_VERSION, histogram_schema, history_schema
 
 from ti_io.facts import RunFacts, started_at_text
 from ti_io.layout import publish_text
+from ti_schema import METRIC_DEFINITIONS, SCHEMA_VERSION, histogram_schema, history_schema
 
 _MD_SPECIAL: Final[re.Pattern[str]] = re.compile(
     r"([\\`*\[\]<>|~&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))"
@@ -149,7 +149,9 @@ def _layer_block(facts: RunFacts, data: HistoryFacts | None) -> list[str]:
             )
         )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return _fence(["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows])
+    return _fence(
+        ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    )
 
 
 def _example_layers(facts: RunFacts, data: HistoryFacts | None) -> tuple[str, list[str]]:
@@ -176,9 +178,9 @@ def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> lis
         "# One metric of one layer over time (always order by sample_id).",
         "trend = (",
         "    history.filter(",
-        f"        (pl.col(\"layer\") == {literal(layer)})",
+        f'        (pl.col("layer") == {literal(layer)})',
         '        & (pl.col("signal") == "output")',
-        f"        & (pl.col(\"metric\") == {literal(metric)})",
+        f'        & (pl.col("metric") == {literal(metric)})',
         "    )",
         '    .select("sample_id", "timestamp", "call_index", "tensor_path", "value")',
         '    .sort("sample_id")',
@@ -197,8 +199,8 @@ def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> lis
         "# Side by side: the mean of each sample's metric for a few layers.",
         "side_by_side = (",
         "    history.filter(",
-        f"        pl.col(\"layer\").is_in([{', '.join(literal(n) for n in compare)}])",
-        f"        & (pl.col(\"metric\") == {literal(metric)})",
+        f'        pl.col("layer").is_in([{", ".join(literal(n) for n in compare)}])',
+        f'        & (pl.col("metric") == {literal(metric)})',
         "    )",
         '    .group_by("layer", "signal")',
         '    .agg(pl.col("value").mean().alias("mean_over_samples"), pl.len().alias("rows"))',
@@ -210,14 +212,14 @@ def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> lis
         "missing = (",
         '    history.filter(pl.col("value").is_null())',
         '    .group_by("layer", "signal", "metric", "unavailable_reason")',
-        "    .agg(pl.len().alias(\"rows\"))",
+        '    .agg(pl.len().alias("rows"))',
         '    .sort("rows", descending=True)',
         "    .collect()",
         ")",
         "",
         "# Aggregates of one layer from result.json.",
         'records = json.loads((RUN / "result.json").read_text(encoding="utf-8"))',
-        f"record = next(r for r in records if r[\"layer\"] == {literal(layer)})",
+        f'record = next(r for r in records if r["layer"] == {literal(layer)})',
         "",
         "# Histograms of the focus layers, without TensorBoard.",
         'histograms = pl.scan_parquet(RUN / "histograms.parquet")',
@@ -228,9 +230,7 @@ def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> lis
     return _fence(code, "python")
 
 
-def render(
-    directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live: bool
-) -> str:
+def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live: bool) -> str:
     """The text of index.md."""
     lines = [
         "# TorchInstruments run",
@@ -269,7 +269,9 @@ def render(
         span = "none"
         if data.first_time is not None and data.last_time is not None:
             seconds = (data.last_time - data.first_time).total_seconds()
-            span = f"{data.first_time.isoformat()} .. {data.last_time.isoformat()} ({seconds:.3f} s)"
+            span = (
+                f"{data.first_time.isoformat()} .. {data.last_time.isoformat()} ({seconds:.3f} s)"
+            )
         facts_block += [
             f"samples:       {data.samples} (sample_id {data.first_sample} .. {data.last_sample})",
             f"time span:     {span}",
@@ -364,12 +366,16 @@ def render(
                 f"{literal(reason)}"
             )
         lines += _fence(block)
-    lines += ["## Queries", "", "Ready to run (Python, Polars):", "", *_queries(directory, facts, data)]
+    lines += [
+        "## Queries",
+        "",
+        "Ready to run (Python, Polars):",
+        "",
+        *_queries(directory, facts, data),
+    ]
     return "\n".join(lines)
 
 
-def write_index(
-    directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live: bool
-) -> None:
+def write_index(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live: bool) -> None:
     """Publish index.md atomically."""
     publish_text(directory / "index.md", render(directory.resolve(), facts, data, live=live))

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Final
 
 import polars as pl
-from ti_core.sink import LayerInfo
-from ti_schema import SIGNALS
 
+from ti_core.sink import LayerInfo
 from ti_io.layout import publish_text
+from ti_schema import SIGNALS
 
 TENSOR_KEYS: Final[tuple[str, ...]] = (
     "layer",
@@ -45,11 +45,18 @@ AGGREGATES: Final[tuple[str, ...]] = (
 """Numeric aggregates of a statistic, in the order they are written."""
 
 
-def aggregate(history: pl.LazyFrame, window: int) -> pl.LazyFrame:
-    """One row per (tensor, metric) with every aggregate of result.json (lazy)."""
+def statistic_exprs(window: int) -> list[pl.Expr]:
+    """Aggregates of ``value`` within one group. Independent of row order: the windows are
+    chosen by ``sample_id`` (sample ids are unique within a group), quantiles are exact with
+    linear interpolation. Short histories get null windows in :func:`statistic`."""
     value = pl.col("value")
-    observed = value.sort_by("sample_id").drop_nulls()
-    return history.group_by(list(GROUP_KEYS)).agg(
+    available = value.is_not_null()
+    observed = value.filter(available)
+    observed_ids = pl.col("sample_id").filter(available)
+    # First sample id of each window, found by selection (top_k), not by sorting the group.
+    recent_start = observed_ids.top_k(window).min()
+    previous_start = observed_ids.top_k(2 * window).min()
+    return [
         value.count().alias("observations"),
         value.null_count().alias("unavailable"),
         value.mean().alias("mean"),
@@ -59,10 +66,21 @@ def aggregate(history: pl.LazyFrame, window: int) -> pl.LazyFrame:
         value.quantile(0.5, interpolation="linear").alias("p50"),
         value.quantile(0.75, interpolation="linear").alias("p75"),
         value.max().alias("max"),
-        observed.tail(2 * window).head(window).mean().alias("previous_window_mean"),
-        observed.tail(window).mean().alias("recent_window_mean"),
-        pl.col("shape").sort_by("sample_id").last().alias("latest_shape"),
-        pl.col("dtype").sort_by("sample_id").last().alias("dtype"),
+        observed.filter((observed_ids >= previous_start) & (observed_ids < recent_start))
+        .mean()
+        .alias("previous_window_mean"),
+        observed.filter(observed_ids >= recent_start).mean().alias("recent_window_mean"),
+    ]
+
+
+def aggregate(history: pl.LazyFrame, window: int) -> pl.LazyFrame:
+    """One row per (tensor, metric) with every aggregate of result.json (lazy), straight from
+    a history frame; used by readers such as ``ti summary`` on live parts."""
+    latest = pl.col("sample_id").arg_max()
+    return history.group_by(list(GROUP_KEYS)).agg(
+        *statistic_exprs(window),
+        pl.col("shape").get(latest).alias("latest_shape"),
+        pl.col("dtype").get(latest).alias("dtype"),
         pl.col("module_type").first().alias("module_type"),
         pl.col("unavailable_reason").drop_nulls().first().alias("first_reason"),
         pl.col("unavailable_reason").drop_nulls().n_unique().alias("reasons"),
@@ -111,7 +129,9 @@ def statistic(row: Mapping[str, Any], window: int) -> dict[str, Any]:
         for key in window_nulls:
             stats[key] = None
         nonfinite = [
-            k for k in AGGREGATES if k not in window_nulls and row[k] is not None and stats[k] is None
+            k
+            for k in AGGREGATES
+            if k not in window_nulls and row[k] is not None and stats[k] is None
         ]
         if nonfinite:
             reasons.append(

@@ -26,9 +26,7 @@ def escape_tag_part(text: str) -> str:
     """``text`` with every unsafe character percent-encoded (see the module docstring)."""
     if all(_keep(c) for c in text):
         return text
-    return "".join(
-        c if _keep(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8")) for c in text
-    )
+    return "".join(c if _keep(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8")) for c in text)
 
 
 def histogram_tag(layer: str, call_index: int, signal: str, tensor_path: str) -> str:

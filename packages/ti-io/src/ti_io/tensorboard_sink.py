@@ -21,8 +21,8 @@ import pyarrow.compute as pc
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.compat.proto.summary_pb2 import HistogramProto
 from tensorboard.summary.writer.record_writer import RecordWriter
-from ti_core.sink import RunInfo
 
+from ti_core.sink import RunInfo
 from ti_io.tags import histogram_tag
 
 
@@ -110,8 +110,7 @@ class EventFileHistograms:
     def __init__(self, logdir: Path) -> None:
         logdir.mkdir(parents=True, exist_ok=True)
         name = (
-            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-            f"{os.getpid()}.ti"
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.ti"
         )
         self.path = logdir / name
         self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 - closed in close()

@@ -113,16 +113,21 @@ def _count_and_first(mask: pa.ChunkedArray) -> tuple[int, int]:
     return int(count), int(first)
 
 
-def _plain(column: pa.ChunkedArray) -> pa.ChunkedArray:
-    typ = column.type
-    if pa.types.is_dictionary(typ) or not pa.types.is_large_string(typ):
-        return column.cast(pa.large_string())
-    return column
+def _distinct_strings(column: pa.ChunkedArray) -> set[str]:
+    """Distinct non-null values of a string-like column, without decoding every row."""
+    seen: set[str] = set()
+    for chunk in column.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            used = pc.unique(chunk.indices.drop_null())
+            values = chunk.dictionary.take(used)
+        else:
+            values = pc.unique(chunk)
+        seen.update(v for v in values.cast(pa.large_string()).to_pylist() if v is not None)
+    return seen
 
 
 def _domain(table: pa.Table, column: str, allowed: tuple[str, ...]) -> list[Mismatch]:
-    seen = {v for v in pc.unique(_plain(table.column(column))).to_pylist() if v is not None}
-    bad = sorted(seen - set(allowed))
+    bad = sorted(_distinct_strings(table.column(column)) - set(allowed))
     if not bad:
         return []
     return [

@@ -1,0 +1,222 @@
+"""One cache-blocked pass over a large CPU tensor: the default profile and histograms.
+
+Private helpers of :mod:`ti_core.reducers` and :mod:`ti_core.histograms`. A large CPU tensor is
+read from memory once, in blocks that fit the CPU cache, with numpy (SIMD comparisons, cheap
+compaction). Quartiles are exact: a small random sample of the tensor (from a private
+generator: the global RNG states never change) only chooses a narrow candidate band around
+each quartile; the pass counts the entries below each band and collects the band, and the
+wanted ranks are then read from the sorted band. A band that turns out not to hold its ranks
+is replaced by an exact ``numpy.partition`` of the finite entries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ti_core._selection import QUANTILES, quantile_positions
+
+_BLOCK = 1 << 17
+"""Entries per block: a float32 block and its float64 copy stay in a per-core cache."""
+
+_SAMPLE_SIZE = 1 << 16
+_SAMPLE_SEED = 0x7149_5EED
+
+ROW = 10
+"""mean, std, min, max, p25, p50, p75, zero_fraction, nonfinite_fraction, finite count."""
+
+
+class _Band:
+    """Candidate interval ``[lo, hi]`` for one quartile, and what the pass found there.
+
+    Entries equal to ``lo`` or ``hi`` are only counted (large ties cost nothing); entries
+    strictly inside are collected.
+    """
+
+    def __init__(self, lo: float, hi: float) -> None:
+        self.lo, self.hi = lo, hi
+        self.below = 0
+        self.at_lo = 0
+        self.at_hi = 0
+        self.inside: list[np.ndarray] = []
+
+    def scan(self, c: np.ndarray) -> None:
+        lo, hi = self.lo, self.hi
+        ge = c >= lo
+        n_ge = int(np.count_nonzero(ge))
+        self.below += c.size - n_ge
+        if lo == hi:
+            self.at_lo += n_ge - int(np.count_nonzero(c > hi))
+            return
+        gt = c > lo
+        self.at_lo += n_ge - int(np.count_nonzero(gt))
+        lt = c < hi
+        self.at_hi += int(np.count_nonzero(c <= hi)) - int(np.count_nonzero(lt))
+        idx = np.flatnonzero(gt & lt)
+        if idx.size:
+            self.inside.append(c[idx])
+
+    def value(self, rank: int, ordered: np.ndarray) -> float | None:
+        """The value at ``rank`` of all finite entries, or None if the band misses it."""
+        r = rank - self.below
+        if r < 0:
+            return None
+        if r < self.at_lo:
+            return self.lo
+        r -= self.at_lo
+        if r < ordered.size:
+            return float(ordered[r])
+        r -= ordered.size
+        if r < self.at_hi:
+            return self.hi
+        return None
+
+
+def _bands(a: np.ndarray) -> list[_Band] | None:
+    """Sample-chosen candidate bands for the three quartiles (None: no finite sample)."""
+    gen = np.random.default_rng(_SAMPLE_SEED)
+    sample = a[gen.integers(0, a.size, _SAMPLE_SIZE)]
+    sample = np.sort(sample[np.isfinite(sample)])
+    m = sample.size
+    if m == 0:
+        return None
+    out = []
+    for q in QUANTILES:
+        # Six standard errors of a sample quantile plus a few slots: a band misses its ranks
+        # with negligible probability, and a miss only costs the exact fallback.
+        margin = 6.0 * math.sqrt(max(q * (1.0 - q), 1.0 / m) / m) + 4.0 / m
+        i_lo = max(math.floor((q - margin) * (m - 1)), 0)
+        i_hi = min(math.ceil((q + margin) * (m - 1)), m - 1)
+        lo = float(sample[i_lo]) if i_lo > 0 else -math.inf
+        hi = float(sample[i_hi]) if i_hi < m - 1 else math.inf
+        out.append(_Band(lo, hi))
+    return out
+
+
+def reduce_large(a: np.ndarray) -> np.ndarray:
+    """Default-profile row (see ``ROW``) of a 1-D float32/float64 array, exact."""
+    n = a.size
+    bands = _bands(a)
+    # Shifting by a central value before summing keeps the one-pass variance exact in
+    # float64: |mean - median| <= std, so E[(x - k)^2] is at most 2 var.
+    shift = 0.0
+    if bands is not None and math.isfinite(bands[1].lo) and math.isfinite(bands[1].hi):
+        shift = 0.5 * (bands[1].lo + bands[1].hi)
+    lo_all, hi_all = math.inf, -math.inf
+    zeros = nonfinite = 0
+    s1 = s2 = 0.0
+    buf = np.empty(min(_BLOCK, n), dtype=np.float64)
+    for start in range(0, n, _BLOCK):
+        c = a[start : start + _BLOCK]
+        zeros += c.size - int(np.count_nonzero(c))
+        cmin, cmax = float(c.min()), float(c.max())
+        if not (math.isfinite(cmin) and math.isfinite(cmax)):
+            c = c[np.isfinite(c)]
+            nonfinite += min(_BLOCK, n - start) - c.size
+            if c.size == 0:
+                continue
+            cmin, cmax = float(c.min()), float(c.max())
+        lo_all, hi_all = min(lo_all, cmin), max(hi_all, cmax)
+        d = buf[: c.size]
+        np.subtract(c, shift, out=d, dtype=np.float64)
+        s1 += float(d.sum())
+        s2 += float(np.dot(d, d))
+        if bands is not None:
+            for band in bands:
+                band.scan(c)
+    nf = n - nonfinite
+    row = np.full(ROW, math.nan)
+    row[7:] = (zeros / n, nonfinite / n, nf)
+    if nf == 0:
+        return row
+    mean_shifted = s1 / nf
+    row[0] = shift + mean_shifted
+    row[1] = math.sqrt(max(s2 / nf - mean_shifted * mean_shifted, 0.0))
+    row[2], row[3] = lo_all, hi_all
+    row[4:7] = _quartiles(a, nf, bands)
+    return row
+
+
+def _quartiles(a: np.ndarray, nf: int, bands: list[_Band] | None) -> list[float]:
+    out: list[float] = []
+    missed = bands is None
+    for j, (lo, hi, frac) in enumerate(quantile_positions(nf)):
+        if bands is None:
+            break
+        band = bands[j]
+        ordered = np.sort(np.concatenate(band.inside)) if band.inside else np.empty(0)
+        band.inside = []
+        va, vb = band.value(lo, ordered), band.value(hi, ordered)
+        if va is None or vb is None:
+            missed = True
+            break
+        out.append(_lerp(va, vb, frac))
+    if not missed:
+        return out
+    finite = a[np.isfinite(a)] if nf < a.size else a.copy()
+    positions = quantile_positions(nf)
+    ranks = sorted({r for lo, hi, _ in positions for r in (lo, hi)})
+    finite.partition(ranks)
+    return [_lerp(float(finite[lo]), float(finite[hi]), frac) for lo, hi, frac in positions]
+
+
+def _lerp(a: float, b: float, t: float) -> float:
+    """numpy's ``_lerp`` (exact at both ends)."""
+    diff = b - a
+    return b - diff * (1.0 - t) if t >= 0.5 else a + diff * t
+
+
+HIST_HEAD = 6
+"""min, max, num, sum, sum_squares, nonfinite count; then edges (bins + 1), counts (bins)."""
+
+
+def histogram_large(a: np.ndarray, bins: int) -> np.ndarray:
+    """Histogram row of a 1-D float32/float64 array: the same edges and bucket rule as
+    ``numpy.histogram(finite, bins=edges)``, with ``edges = linspace(min, max, bins + 1)``."""
+    n = a.size
+    lo_all, hi_all = math.inf, -math.inf
+    nonfinite = 0
+    for start in range(0, n, _BLOCK):
+        c = a[start : start + _BLOCK]
+        cmin, cmax = float(c.min()), float(c.max())
+        if not (math.isfinite(cmin) and math.isfinite(cmax)):
+            c = c[np.isfinite(c)]
+            nonfinite += min(_BLOCK, n - start) - c.size
+            if c.size == 0:
+                continue
+            cmin, cmax = float(c.min()), float(c.max())
+        lo_all, hi_all = min(lo_all, cmin), max(hi_all, cmax)
+    row = np.zeros(HIST_HEAD + 2 * bins + 1)
+    nf = n - nonfinite
+    row[:HIST_HEAD] = (lo_all, hi_all, nf, 0.0, 0.0, nonfinite)
+    if nf == 0:
+        return row
+    edges = np.linspace(lo_all, hi_all, bins + 1)
+    row[HIST_HEAD : HIST_HEAD + bins + 1] = edges
+    width = hi_all - lo_all
+    norm = bins / width if width > 0 and math.isfinite(bins / width) else 0.0
+    counts = np.zeros(bins, dtype=np.int64)
+    s1 = s2 = 0.0
+    buf = np.empty(min(_BLOCK, n), dtype=np.float64)
+    for start in range(0, n, _BLOCK):
+        c = a[start : start + _BLOCK]
+        if nonfinite:
+            c = c[np.isfinite(c)]
+        d = buf[: c.size]
+        d[...] = c
+        s1 += float(d.sum())
+        s2 += float(np.dot(d, d))
+        if norm == 0.0:
+            counts[-1] += c.size
+            continue
+        # numpy.histogram's uniform-bin rule: estimate the bucket, then correct it against
+        # the float64 edges so that the result equals a search over the edges.
+        idx = ((d - lo_all) * norm).astype(np.intp)
+        np.clip(idx, 0, bins - 1, out=idx)
+        idx -= d < edges[idx]
+        idx += (d >= edges[idx + 1]) & (idx != bins - 1)
+        counts += np.bincount(idx, minlength=bins)
+    row[3], row[4] = s1, s2
+    row[HIST_HEAD + bins + 1 :] = counts
+    return row

@@ -1,0 +1,97 @@
+"""``comparison.png``: the evidence series of the three matched runs of one experiment."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
+
+from ti_examples.problems import VARIANTS, Panel  # noqa: E402
+
+# Baseline is drawn wide and pale underneath, fixed dashed on top: where the two coincide
+# (a fix that restores the baseline exactly) both stay visible.
+STYLES: dict[str, dict[str, object]] = {
+    "baseline": {"color": "#1f77b4", "marker": "o", "linewidth": 4.0, "alpha": 0.45},
+    "broken": {"color": "#d62728", "marker": "s", "linewidth": 1.6, "alpha": 0.9},
+    "fixed": {"color": "#2ca02c", "marker": "^", "linewidth": 1.6, "linestyle": "--"},
+}
+
+
+def plot_comparison(
+    frame: pl.DataFrame,
+    panels: Sequence[Panel],
+    *,
+    title: str,
+    onset_sample: int,
+    onset_step: int,
+    sample_every: int,
+    path: Path,
+) -> Path:
+    """Draw one panel per evidence series, one line per variant, and save a PNG at ``path``.
+
+    Missing values (no rows written, e.g. no gradient arrived) are NaN, so the line breaks
+    instead of dropping to zero. The fault onset is a dashed vertical line.
+    """
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True, squeeze=False
+    )
+    for ax, panel in zip(axes[:, 0], panels, strict=True):
+        gaps: list[str] = []
+        for variant in VARIANTS:
+            series = frame.filter(
+                (pl.col("series") == panel.label) & (pl.col("variant") == variant)
+            ).sort("sample_id")
+            if series.is_empty():
+                continue
+            x = series["sample_id"].to_numpy()
+            y = series["value"].cast(pl.Float64).fill_null(np.nan).to_numpy()
+            ax.plot(x, y, label=variant, markersize=4, **STYLES[variant])  # type: ignore[arg-type]
+            missing = x[np.isnan(y)]
+            if missing.size:
+                gaps.append(f"{variant}: no value at samples {_ranges(missing)}")
+        ax.axvline(
+            onset_sample,
+            color="black",
+            linestyle="--",
+            linewidth=1.2,
+            label=f"fault onset (step {onset_step})",
+        )
+        if panel.log_scale:
+            ax.set_yscale("log")
+        heading = f"{panel.layer}: {panel.signal} {panel.metric}"
+        if gaps:
+            heading += "\n(gaps: " + "; ".join(gaps) + ")"
+        ax.set_title(heading, fontsize=10)
+        ax.set_ylabel(panel.metric + (" (log)" if panel.log_scale else ""))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    axes[-1, 0].set_xlabel(
+        f"sample_id (one sampled forward every {sample_every} steps; gaps = no rows written)"
+    )
+    fig.suptitle(title, fontsize=12)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _ranges(values: np.ndarray) -> str:
+    """``[4, 5, 6, 9]`` -> ``"4-6, 9"``."""
+    ints = sorted(int(v) for v in values)
+    parts = []
+    start = prev = ints[0]
+    for v in ints[1:]:
+        if v != prev + 1:
+            parts.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = v
+        prev = v
+    parts.append(f"{start}-{prev}" if prev > start else f"{start}")
+    return ", ".join(parts)
