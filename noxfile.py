@@ -296,7 +296,7 @@ def e2e(session: nox.Session) -> None:
 @nox.session(python=MAIN_PYTHON, download_python="never")
 def minimums(session: nox.Session) -> None:
     """Every package's tests and e2e at the lowest versions the pyprojects allow."""
-    floors_file = Path(session.create_tmp()) / "floors.txt"
+    floors_file = Path(session.create_tmp()).resolve() / "floors.txt"
     floors = _write_floor_constraints(floors_file)
     session.log("floors: " + ", ".join(f"{n}=={v}" for n, v in floors.items()))
     _install(session, "-c", str(floors_file), *TEST_TOOLS, *_all_package_args())
@@ -310,7 +310,7 @@ def minimums(session: nox.Session) -> None:
 @nox.session(python=MAIN_PYTHON, download_python="never")
 def wheels(session: nox.Session) -> None:
     """Build the five wheels, check their metadata, install them (not the sources), test them."""
-    tmp = Path(session.create_tmp())
+    tmp = Path(session.create_tmp()).resolve()
     wheelhouse = tmp / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
     for package in PACKAGES:

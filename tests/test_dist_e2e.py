@@ -36,7 +36,8 @@ STEPS = 4
 ARTIFACT_FILES = ("history.parquet", "histograms.parquet", "result.json", "index.md")
 
 # The training script every rank runs. argv[1]: JSON settings (see job_config): one or more
-# phases, each a fresh model trained for a few steps with its own rank policy and output_dir.
+# phases, each a fresh model trained for a few steps with its own rank policy, output_dir,
+# parallelism ("ddp" or "fsdp2") and, optionally, a rank that kills itself at the end.
 WORKER = r"""
 import json
 import os
@@ -57,21 +58,26 @@ rank, world = dist.get_rank(), dist.get_world_size()
 side = Path(cfg["side"])
 
 for phase in cfg["phases"]:
-    out, name = Path(phase["out"]), phase["name"]
+    out, name, mode = Path(phase["out"]), phase["name"], phase["mode"]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    if cfg["mode"] == "fsdp2":
+    if mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model[0])
         fully_shard(model[2])
         fully_shard(model)
 
-    options = {"sampler": AlwaysSampler(), "rank_policy": phase["policy"]}
-    if cfg["buffer_rows"]:
+    policy = phase["policy"]
+    if isinstance(policy, list):  # an explicit set of ranks
+        from ti_dist import Ranks
+
+        policy = Ranks(policy)
+    options = {"sampler": AlwaysSampler(), "rank_policy": policy}
+    if phase["buffer_rows"]:
         from ti_io import DirectorySink, HistoryConfig
 
-        config = HistoryConfig(buffer_rows=cfg["buffer_rows"])
+        config = HistoryConfig(buffer_rows=phase["buffer_rows"])
         options["sink"] = DirectorySink(out, history_config=config)
     else:
         options["output_dir"] = out
@@ -84,14 +90,14 @@ for phase in cfg["phases"]:
     (side / f"{name}-rank{rank}.json").write_text(json.dumps(facts))
 
     net = model
-    if cfg["mode"] == "ddp":
+    if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     shard = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
-    for step in range(cfg["steps"]):
+    for step in range(phase["steps"]):
         x = torch.randn(16, 8, generator=shard)
         y = torch.randn(16, 4, generator=shard)
-        if step == 0 and cfg["mode"] == "ddp":
+        if step == 0 and mode == "ddp":
             with torch.no_grad():
                 first = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
             np.save(side / f"{name}-rank{rank}-layer0-output.npy", first.numpy())
@@ -101,15 +107,15 @@ for phase in cfg["phases"]:
         opt.zero_grad()
 
     # No collective after this point: a rank may die here without stranding the others.
-    if rank == cfg["kill_rank"]:
+    if rank == phase["kill_rank"]:
         parts = out / f"rank-{rank:03d}" / "history.parts"
         deadline = time.monotonic() + 60
-        while len(list(parts.glob("part-*.parquet"))) < cfg["min_parts"]:
+        while len(list(parts.glob("part-*.parquet"))) < phase["min_parts"]:
             if time.monotonic() > deadline:
                 sys.exit("timed out waiting for published parts")
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGKILL)
-    if cfg["kill_rank"] is not None:
+    if phase["kill_rank"] is not None:
         with torch.no_grad():  # a local evaluation phase, no collectives
             model.eval()
             model(torch.randn(16, 8, generator=shard))
@@ -135,25 +141,31 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def job_config(root: Path, phases: dict[str, str], **overrides: Any) -> dict[str, Any]:
-    """Settings for one job: ``phases`` maps a phase name to its rank policy; each phase writes
-    into ``root/<name>``. Also writes the worker script to ``root/worker.py``."""
-    cfg: dict[str, Any] = {
-        "phases": [
-            {"name": name, "policy": policy, "out": str(root / name)}
-            for name, policy in phases.items()
-        ],
-        "side": str(root / "side"),
-        "mode": "ddp",
+def phase(
+    name: str, policy: str | list[int], mode: str = "ddp", **overrides: Any
+) -> dict[str, Any]:
+    """One phase of a job: a fresh model, ``STEPS`` training steps, written to ``<root>/name``.
+    ``policy``: a policy name, or a list of ranks for ``ti_dist.Ranks``."""
+    settings: dict[str, Any] = {
+        "name": name,
+        "policy": policy,
+        "mode": mode,
         "steps": STEPS,
         "buffer_rows": None,
         "kill_rank": None,
         "min_parts": 0,
     }
-    cfg.update(overrides)
-    Path(cfg["side"]).mkdir(parents=True, exist_ok=True)
+    settings.update(overrides)
+    return settings
+
+
+def job_config(root: Path, phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Settings for one job running ``phases`` in order; writes the worker to root/worker.py."""
+    for item in phases:
+        item["out"] = str(root / item["name"])
+    (root / "side").mkdir(parents=True, exist_ok=True)
     (root / "worker.py").write_text(WORKER)
-    return cfg
+    return {"phases": phases, "side": str(root / "side")}
 
 
 def _log(tmp_path: Path, name: str) -> str:
@@ -269,9 +281,11 @@ def first_output_stats(history: pl.DataFrame) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One torchrun job of 4 DDP processes, run twice: rank_policy="rank0", then "all"."""
+    """One torchrun job of 4 DDP processes, observed three times in turn: with
+    rank_policy="rank0", "all", and Ranks([1, 3])."""
     root = tmp_path_factory.mktemp("ddp4")
-    cfg = job_config(root, {"rank0": "rank0", "all": "all"})
+    phases = [phase("rank0", "rank0"), phase("all", "all"), phase("some", [1, 3])]
+    cfg = job_config(root, phases)
     torchrun(root, 4, cfg)
     return root
 
@@ -339,16 +353,49 @@ def test_all_ranks_ddp_four_processes(ddp_job: Path) -> None:
     assert (grads["spread"] > 0).all()
 
 
-def test_fsdp2_fully_shard_all_ranks(tmp_path: Path) -> None:
+def test_explicit_ranks_observe_only_those_ranks(ddp_job: Path) -> None:
+    out = ddp_job / "some"
+    assert sorted(p.name for p in out.iterdir()) == ["rank-001", "rank-003"]
+    for rank in (0, 1, 2, 3):
+        facts = side_facts(ddp_job, "some", rank)
+        assert facts["observed"] is (rank in (1, 3))
+        if rank in (0, 2):
+            assert facts["hooks"] == 0
+    histories = {r: assert_full_artifacts(out / f"rank-00{r}", r) for r in (1, 3)}
+    combined = scan_ranks(out).collect()
+    assert sorted(combined["rank"].unique().to_list()) == [1, 3]
+    assert combined.height == histories[1].height + histories[3].height
+    # Same data and weights as in the "all" phase: rank 3 measured the same tensors again.
+    again = pl.read_parquet(ddp_job / "all" / "rank-003" / "history.parquet")
+    assert first_output_stats(histories[3]) == first_output_stats(again)
+
+
+def _fully_shard_missing() -> str | None:
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the installed torch
-        pytest.skip(f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard: {exc}")
-    cfg = job_config(tmp_path, {"fsdp": "all"}, mode="fsdp2")
-    codes = launch_ranks(tmp_path, 2, cfg)
-    assert codes == [0, 0], [_log(tmp_path, f"rank{r}.log") for r in range(2)]
+        return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard: {exc}"
+    return None
 
-    out = tmp_path / "fsdp"
+
+@pytest.fixture(scope="module")
+def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
+    """One job of 2 plain processes: FSDP2 with "all", then DDP with "all" where rank 1 kills
+    itself (SIGKILL) after its last collective, before removing its observer."""
+    root = tmp_path_factory.mktemp("job2")
+    phases = [] if _fully_shard_missing() else [phase("fsdp", "all", mode="fsdp2")]
+    phases.append(phase("killed", "all", buffer_rows=64, kill_rank=1, min_parts=2))
+    codes = launch_ranks(root, 2, job_config(root, phases))
+    return root, codes
+
+
+def test_fsdp2_fully_shard_all_ranks(two_rank_job: tuple[Path, list[int]]) -> None:
+    missing = _fully_shard_missing()
+    if missing:  # pragma: no cover - depends on the installed torch
+        pytest.skip(missing)
+    root, codes = two_rank_job
+    assert codes == [0, -signal.SIGKILL], [_log(root, f"rank{r}.log") for r in range(2)]
+    out = root / "fsdp"
     histories = [assert_full_artifacts(out / f"rank-00{r}", r) for r in range(2)]
     assert first_output_stats(histories[0])["mean"] != first_output_stats(histories[1])["mean"]
     combined = scan_ranks(out).collect()
@@ -357,13 +404,12 @@ def test_fsdp2_fully_shard_all_ranks(tmp_path: Path) -> None:
 
 
 def test_killed_rank_leaves_others_complete_and_its_parts_consolidatable(
-    tmp_path: Path,
+    two_rank_job: tuple[Path, list[int]],
 ) -> None:
-    cfg = job_config(tmp_path, {"killed": "all"}, buffer_rows=64, kill_rank=1, min_parts=2)
-    codes = launch_ranks(tmp_path, 2, cfg)
-    assert codes == [0, -signal.SIGKILL], [_log(tmp_path, f"rank{r}.log") for r in range(2)]
+    root, codes = two_rank_job
+    assert codes == [0, -signal.SIGKILL], [_log(root, f"rank{r}.log") for r in range(2)]
 
-    out = tmp_path / "killed"
+    out = root / "killed"
     # The survivor also sampled its local evaluation forward after rank 1 died.
     survivor = assert_full_artifacts(out / "rank-000", rank=0, samples=STEPS + 1)
     assert survivor.filter(pl.col("mode") == "eval")["sample_id"].unique().to_list() == [STEPS]

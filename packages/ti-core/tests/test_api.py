@@ -30,6 +30,7 @@ from ti_core import (
     remove_observer,
     resolve,
 )
+from ti_schema.testing import assert_histograms_conform
 
 
 def small_model() -> nn.Module:
@@ -179,6 +180,7 @@ def test_default_focus_is_first_eight_selected_and_histograms_are_emitted() -> N
     assert sink.run is not None
     assert sink.run.focus_layers == tuple(str(i) for i in range(8))
     hist = sink.histograms()
+    assert_histograms_conform(hist)
     assert {r["layer"] for r in hist.to_pylist()} == {str(i) for i in range(8)}
     assert {r["signal"] for r in hist.to_pylist()} == {"output", "output_gradient"}
     row = next(r for r in hist.to_pylist() if r["layer"] == "0" and r["signal"] == "output")

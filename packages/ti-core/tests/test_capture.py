@@ -360,3 +360,45 @@ def test_memory_sink_without_records_is_an_empty_valid_table() -> None:
     assert sink.table().num_rows == 0
     assert_history_conforms(sink.table())
     assert sink.histograms().num_rows == 0
+
+
+def test_same_tensor_through_identity_chain_is_measured_for_every_call() -> None:
+    class AddInPlace(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.add_(1.0)
+
+    model = nn.Sequential(
+        nn.Linear(3, 3), nn.Identity(), nn.Identity(), AddInPlace(), nn.Identity()
+    )
+    sink = MemorySink()
+    x = torch.randn(4, 3)
+    with observe(model, sink=sink, sampler=AlwaysSampler()):
+        out = model(x)
+        (out * torch.arange(3.0)).sum().backward()
+    table = sink.table()
+    with torch.no_grad():
+        before = model[0](x).numpy()
+    for layer in ("0", "1", "2"):
+        assert_matches(stats(table, layer=layer, signal="output"), reference(before))
+    for layer in ("3", "4"):
+        assert_matches(stats(table, layer=layer, signal="output"), reference(before + 1))
+    grad = np.broadcast_to(np.arange(3.0), (4, 3))
+    for layer in ("0", "1", "2", "3", "4"):
+        assert_matches(stats(table, layer=layer, signal="output_gradient"), reference(grad))
+
+
+@pytest.mark.slow
+def test_tensor_above_2_pow_24_has_exact_quartiles_end_to_end() -> None:
+    # 2**24 + 1 float32 entries: 4 bytes over the snapshot budget, so reduced without a copy
+    x = torch.randn(2**24 + 1)
+    x[::1000] = 0.0
+    sink = MemorySink()
+    model = nn.Sequential(nn.Identity())
+    with observe(model, sink=sink, sampler=AlwaysSampler(), max_histogram_modules=0):
+        model(x)
+    got = stats(sink.table(), layer="0", signal="output")
+    a = x.numpy().astype(np.float64)
+    for metric, q in (("p25", 25), ("p50", 50), ("p75", 75)):
+        assert got[metric] == pytest.approx(float(np.percentile(a, q)), rel=1e-6, abs=1e-7)
+    assert got["zero_fraction"] == pytest.approx(float(np.mean(a == 0)), rel=1e-12)
+    assert got["mean"] == pytest.approx(float(a.mean()), rel=1e-5, abs=1e-7)

@@ -273,3 +273,19 @@ def test_reentrant_checkpointing_records_a_gap_never_wrong_numbers() -> None:
         if r["signal"] == "output_gradient" and r["layer"] in inner
     }
     assert gaps == {(s, layer) for s in (0, 1) for layer in inner}
+
+
+def test_leaf_output_records_a_gradient_gap() -> None:
+    model = nn.Sequential(nn.Identity(), nn.Linear(2, 2))
+    x = torch.randn(3, 2, requires_grad=True)
+    sink = MemorySink()
+    with observe(model, sink=sink, sampler=AlwaysSampler()):
+        model(x).sum().backward()
+    table = sink.table()
+    assert_history_conforms(table)
+    gap = rows(table, layer="0", signal="output_gradient")
+    assert len(gap) == 9
+    assert all(r["value"] is None and "leaf tensor" in r["unavailable_reason"] for r in gap)
+    assert_matches(stats(table, layer="1", signal="output_gradient"), reference(np.ones((3, 2))))
+    assert x.grad is not None
+    assert not x._backward_hooks

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ti_core import reducers
 from ti_core.histograms import HistogramData, compute_histograms, single_value_limit
 
 DTYPES = (
@@ -128,6 +129,42 @@ def test_large_tensor_histogram() -> None:
     t[::97] = math.nan
     (h,) = compute_histograms([t], bins=64)
     check(h, t, 64)
+
+
+@pytest.mark.parametrize("bins", [30, 7])
+def test_large_tensor_entries_on_and_next_to_edges(bins: int) -> None:
+    gen = np.random.default_rng(8)
+    edges = np.linspace(0.0, 300_000.0, bins + 1)
+    near = []
+    for e in edges:
+        f = np.float32(e)
+        near += [f, np.nextafter(f, np.float32(-np.inf)), np.nextafter(f, np.float32(np.inf))]
+    near_arr = np.clip(np.array(near, dtype=np.float32), 0.0, 300_000.0)
+    body = gen.uniform(0.0, 300_000.0, 200_000).astype(np.float32)
+    t = torch.from_numpy(np.concatenate([body, np.repeat(near_arr, 50)]))
+    (h,) = compute_histograms([t], bins=bins)
+    check(h, t, bins)
+    (h64,) = compute_histograms([t.double()], bins=bins)
+    check(h64, t.double(), bins)
+
+
+def test_large_ties_constant_and_extreme_range() -> None:
+    gen = torch.Generator().manual_seed(5)
+    relu = torch.relu(torch.randn(300_000, generator=gen))
+    constant = torch.full((100_000,), 7.0)
+    wide = torch.tensor([-3e38, 3e38] * 50_000, dtype=torch.float32)
+    for t in (relu, constant, wide):
+        (h,) = compute_histograms([t], bins=30)
+        check(h, t, 30)
+
+
+def test_accelerator_code_path_matches_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reducers, "uses_numpy", lambda device: False)
+    gen = np.random.default_rng(4)
+    tensors = [sample(gen, dtype, 100_000, 0.05) for dtype in (torch.float32, torch.int64)]
+    tensors.append(torch.arange(300_001, dtype=torch.float32))
+    for t, h in zip(tensors, compute_histograms(tensors, bins=30), strict=True):
+        check(h, t, 30)
 
 
 def test_bad_bins_are_rejected() -> None:

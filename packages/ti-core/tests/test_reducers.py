@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ti_core import _selection
+from ti_core import _cpu_scan, _selection, reducers
 from ti_core.reducers import (
     DefaultProfile,
     Measurements,
@@ -224,6 +224,32 @@ def test_large_tensors_with_ties_nans_and_no_finite_entries() -> None:
         assert_matches(m, DEFAULT_METRICS, i, t)
 
 
+def test_large_ties_at_band_ends_and_few_finite_entries() -> None:
+    gen = torch.Generator().manual_seed(4)
+    relu = torch.relu(torch.randn(400_000, generator=gen))  # half the entries tie at 0
+    steps = torch.randint(0, 3, (300_000,), generator=gen).to(torch.float32)
+    sparse = torch.full((300_000,), math.nan)
+    sparse[::50_000] = torch.arange(6, dtype=torch.float32)  # the sample sees no finite value
+    tensors = [relu, steps, sparse, relu.to(torch.float64).neg()]
+    m = reduce_default(tensors)
+    assert not m.errors
+    for i, t in enumerate(tensors):
+        assert_matches(m, DEFAULT_METRICS, i, t)
+
+
+def test_cpu_scan_falls_back_to_exact_partition_when_bands_miss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def far_bands(a: np.ndarray) -> list[_cpu_scan._Band]:
+        return [_cpu_scan._Band(1e6, 2e6, tied=False) for _ in range(3)]
+
+    monkeypatch.setattr(_cpu_scan, "_bands", far_bands)
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(9))
+    x[::7] = math.inf
+    m = reduce_default([x])
+    assert_matches(m, DEFAULT_METRICS, 0, x)
+
+
 def test_tensor_above_2_pow_24_has_exact_quartiles() -> None:
     n = 2**24 + 1
     gen = torch.Generator().manual_seed(0)
@@ -277,6 +303,32 @@ def test_selection_falls_back_when_the_band_misses() -> None:
     assert float(found[150_001]) == 150_001.0
 
 
+# -- accelerator paths, run on CPU ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.float32, torch.float64, torch.int32, torch.bool], ids=str
+)
+def test_accelerator_code_paths_match_numpy(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The torch-only paths used on accelerators (device-side batching, optimistic kthvalue
+    # with the exact retry for tensors holding NaN/inf) are device-agnostic: run them here.
+    monkeypatch.setattr(reducers, "uses_numpy", lambda device: False)
+    gen = np.random.default_rng(12)
+    tensors = [
+        random_tensor(gen, dtype, (3, 7), 0.1),
+        random_tensor(gen, dtype, (2, 8), 0.0),
+        random_tensor(gen, dtype, (150_001,), 0.0),
+        random_tensor(gen, dtype, (400, 500), 0.05),
+        torch.full((70_000,), math.nan).to(dtype) if dtype.is_floating_point else torch.zeros(5),
+    ]
+    m = reduce_default(tensors)
+    assert not m.errors
+    for i, t in enumerate(tensors):
+        assert_matches(m, DEFAULT_METRICS, i, t)
+
+
 # -- other dtypes -----------------------------------------------------------------------------
 
 
@@ -291,6 +343,7 @@ def unsupported_tensors() -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation:UserWarning")
 def test_other_dtypes_are_explained_nulls_and_custom_reducers_still_run() -> None:
     tensors = unsupported_tensors()
     plan = ReductionPlan([DefaultProfile(), Reducer("numel", lambda t: float(t.numel()))])

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from _core_helpers import assert_matches, reference, rows, stats
 from torch import nn
@@ -133,4 +134,47 @@ def test_threads_keep_their_own_samples() -> None:
         assert_matches(
             stats(table, sample_id=sample, layer="1", signal="output_gradient"),
             reference(np.full((2, 4), scales[owner])),
+        )
+
+
+def _signature(sink: MemorySink) -> list[tuple[object, ...]]:
+    return sorted(
+        (r["forward_index"], r["layer"], r["call_index"], r["signal"], r["metric"], r["value"])
+        for r in sink.table().to_pylist()
+    )
+
+
+@pytest.mark.slow
+def test_torch_compile_before_or_after_injection_records_eager_statistics() -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+
+    def run(compile_first: bool | None) -> MemorySink:
+        model = copy.deepcopy(base)
+        sink = MemorySink()
+        if compile_first is None:
+            target: nn.Module = model
+            inject_observer(target, sink=sink, sampler=EveryNForwardsSampler(2))
+        elif compile_first:
+            target = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
+            inject_observer(target, sink=sink, sampler=EveryNForwardsSampler(2))
+        else:
+            inject_observer(model, sink=sink, sampler=EveryNForwardsSampler(2))
+            target = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
+        for _ in range(4):
+            target(x).sum().backward()
+        remove_observer(target if compile_first else model)
+        return sink
+
+    eager = _signature(run(None))
+    assert {r[1] for r in eager} == {"0", "1", "2"}
+    for compile_first in (True, False):
+        got = _signature(run(compile_first))
+        assert [r[:5] for r in got] == [r[:5] for r in eager]
+        np.testing.assert_allclose(
+            [np.nan if r[5] is None else r[5] for r in got],
+            [np.nan if r[5] is None else r[5] for r in eager],
+            rtol=1e-5,
+            atol=1e-7,
         )

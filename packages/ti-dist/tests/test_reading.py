@@ -77,6 +77,19 @@ def test_plain_live_run_reads_parts(tmp_path: Path, write: Write, rows_for: Rows
     assert scan_ranks(tmp_path).collect()["value"].to_list() == [7.0]
 
 
+def test_root_run_next_to_rank_dirs(tmp_path: Path, write: Write, rows_for: Rows) -> None:
+    # A rank0 run and an all-ranks run in the same output_dir: both are read, run_id tells them
+    # apart.
+    write(tmp_path / "history.parquet", rows_for(0, [1.0], run_id="rank0-run"))
+    write(tmp_path / "rank-001" / "history.parquet", rows_for(1, [2.0], run_id="all-run"))
+    table = scan_ranks(tmp_path).sort("rank").collect()
+    assert table.select("run_id", "rank", "value").rows() == [
+        ("rank0-run", 0, 1.0),
+        ("all-run", 1, 2.0),
+    ]
+    assert [s.rank for s in find_history_sources(tmp_path)] == [None, 1]
+
+
 def test_dictionary_and_plain_strings_mix(tmp_path: Path, write: Write, rows_for: Rows) -> None:
     write(tmp_path / "rank-000" / "history.parquet", rows_for(0, [1.0]), dictionary=True)
     write(tmp_path / "rank-001" / "history.parquet", rows_for(1, [2.0]))

@@ -30,12 +30,13 @@ ROW = 10
 class _Band:
     """Candidate interval ``[lo, hi]`` for one quartile, and what the pass found there.
 
-    Entries equal to ``lo`` or ``hi`` are only counted (large ties cost nothing); entries
-    strictly inside are collected.
+    When the sample shows ties at ``lo`` or ``hi`` (a ReLU output's zeros, say), entries equal
+    to them are only counted, so a huge tie costs no copying; otherwise every entry in the
+    closed band is collected.
     """
 
-    def __init__(self, lo: float, hi: float) -> None:
-        self.lo, self.hi = lo, hi
+    def __init__(self, lo: float, hi: float, tied: bool) -> None:
+        self.lo, self.hi, self.tied = lo, hi, tied
         self.below = 0
         self.at_lo = 0
         self.at_hi = 0
@@ -49,11 +50,15 @@ class _Band:
         if lo == hi:
             self.at_lo += n_ge - int(np.count_nonzero(c > hi))
             return
-        gt = c > lo
-        self.at_lo += n_ge - int(np.count_nonzero(gt))
-        lt = c < hi
-        self.at_hi += int(np.count_nonzero(c <= hi)) - int(np.count_nonzero(lt))
-        idx = np.flatnonzero(gt & lt)
+        if self.tied:
+            gt = c > lo
+            self.at_lo += n_ge - int(np.count_nonzero(gt))
+            lt = c < hi
+            self.at_hi += int(np.count_nonzero(c == hi))
+            ge = np.logical_and(gt, lt, out=gt)
+        else:
+            ge &= c <= hi
+        idx = np.flatnonzero(ge)
         if idx.size:
             self.inside.append(c[idx])
 
@@ -90,7 +95,9 @@ def _bands(a: np.ndarray) -> list[_Band] | None:
         i_hi = min(math.ceil((q + margin) * (m - 1)), m - 1)
         lo = float(sample[i_lo]) if i_lo > 0 else -math.inf
         hi = float(sample[i_hi]) if i_hi < m - 1 else math.inf
-        out.append(_Band(lo, hi))
+        ends = sample[[i_lo, i_hi]]
+        repeats = np.searchsorted(sample, ends, "right") - np.searchsorted(sample, ends, "left")
+        out.append(_Band(lo, hi, tied=bool((repeats > 1).any())))
     return out
 
 
@@ -109,7 +116,7 @@ def reduce_large(a: np.ndarray) -> np.ndarray:
     buf = np.empty(min(_BLOCK, n), dtype=np.float64)
     for start in range(0, n, _BLOCK):
         c = a[start : start + _BLOCK]
-        zeros += c.size - int(np.count_nonzero(c))
+        zeros += int(np.count_nonzero(c == 0))
         cmin, cmax = float(c.min()), float(c.max())
         if not (math.isfinite(cmin) and math.isfinite(cmax)):
             c = c[np.isfinite(c)]
@@ -121,7 +128,7 @@ def reduce_large(a: np.ndarray) -> np.ndarray:
         d = buf[: c.size]
         np.subtract(c, shift, out=d, dtype=np.float64)
         s1 += float(d.sum())
-        s2 += float(np.dot(d, d))
+        s2 += float(np.einsum("i,i->", d, d))  # not BLAS: no thread pool, no contention
         if bands is not None:
             for band in bands:
                 band.scan(c)
@@ -131,11 +138,28 @@ def reduce_large(a: np.ndarray) -> np.ndarray:
     if nf == 0:
         return row
     mean_shifted = s1 / nf
+    var = s2 / nf - mean_shifted * mean_shifted
     row[0] = shift + mean_shifted
-    row[1] = math.sqrt(max(s2 / nf - mean_shifted * mean_shifted, 0.0))
+    if mean_shifted * mean_shifted > 1e6 * max(var, 0.0):
+        # The shift was far from the mean (a skewed sample): redo the squares around the mean.
+        var = _centered_squares(a, float(row[0]), nonfinite > 0) / nf
+    row[1] = math.sqrt(max(var, 0.0))
     row[2], row[3] = lo_all, hi_all
     row[4:7] = _quartiles(a, nf, bands)
     return row
+
+
+def _centered_squares(a: np.ndarray, mean: float, has_nonfinite: bool) -> float:
+    total = 0.0
+    buf = np.empty(min(_BLOCK, a.size), dtype=np.float64)
+    for start in range(0, a.size, _BLOCK):
+        c = a[start : start + _BLOCK]
+        if has_nonfinite:
+            c = c[np.isfinite(c)]
+        d = buf[: c.size]
+        np.subtract(c, mean, out=d, dtype=np.float64)
+        total += float(np.einsum("i,i->", d, d))
+    return total
 
 
 def _quartiles(a: np.ndarray, nf: int, bands: list[_Band] | None) -> list[float]:
@@ -195,7 +219,14 @@ def histogram_large(a: np.ndarray, bins: int) -> np.ndarray:
     edges = np.linspace(lo_all, hi_all, bins + 1)
     row[HIST_HEAD : HIST_HEAD + bins + 1] = edges
     width = hi_all - lo_all
-    norm = bins / width if width > 0 and math.isfinite(bins / width) else 0.0
+    # Buckets are estimated in the array's own precision (float32 halves the memory traffic)
+    # and every entry whose estimate lies within ``eps`` of an interior edge is re-bucketed
+    # exactly against the float64 edges, as numpy.histogram would.
+    f32 = a.dtype == np.float32 and width < float(np.finfo(np.float32).max)
+    work = np.dtype(np.float32 if f32 else np.float64)
+    norm = work.type(bins / width) if width > 0 and math.isfinite(bins / width) else None
+    lo_w = work.type(lo_all)
+    eps = max(1e-4, bins * 1e-6)
     counts = np.zeros(bins, dtype=np.int64)
     s1 = s2 = 0.0
     buf = np.empty(min(_BLOCK, n), dtype=np.float64)
@@ -206,17 +237,24 @@ def histogram_large(a: np.ndarray, bins: int) -> np.ndarray:
         d = buf[: c.size]
         d[...] = c
         s1 += float(d.sum())
-        s2 += float(np.dot(d, d))
-        if norm == 0.0:
+        s2 += float(np.einsum("i,i->", d, d))
+        if norm is None:
             counts[-1] += c.size
             continue
-        # numpy.histogram's uniform-bin rule: estimate the bucket, then correct it against
-        # the float64 edges so that the result equals a search over the edges.
-        idx = ((d - lo_all) * norm).astype(np.intp)
-        np.clip(idx, 0, bins - 1, out=idx)
-        idx -= d < edges[idx]
-        idx += (d >= edges[idx + 1]) & (idx != bins - 1)
+        t = np.subtract(c, lo_w, dtype=work)
+        t *= norm
+        idx = t.astype(np.int32)
+        frac = t - idx
+        near = (frac < eps) | (frac > 1.0 - eps)
+        near &= (t > 0.5) & (t < bins - 0.5)
+        np.minimum(idx, bins - 1, out=idx)
         counts += np.bincount(idx, minlength=bins)
+        suspects = np.flatnonzero(near)
+        if suspects.size:
+            exact = np.searchsorted(edges, d[suspects], "right") - 1
+            np.clip(exact, 0, bins - 1, out=exact)
+            counts -= np.bincount(idx[suspects], minlength=bins)
+            counts += np.bincount(exact, minlength=bins)
     row[3], row[4] = s1, s2
     row[HIST_HEAD + bins + 1 :] = counts
     return row

@@ -102,11 +102,20 @@ class Reduced:
     histograms: list[HistogramData] = field(default_factory=list)
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
 class TensorBatch:
     """Collects one sample's tensors of one signal and reduces them in as few calls as possible.
 
     Snapshots (``detach().clone()``) are taken at the module boundary so later in-place ops
     cannot change what is measured; a tensor that does not fit the budget is reduced at once.
+    The same tensor object seen again unchanged (same version: e.g. through ``nn.Identity``
+    chains or a parent returning its child's output) is measured once and its row repeated.
     """
 
     def __init__(self, plan: ReductionPlan, focus: frozenset[int], bins: int = HISTOGRAM_BINS):
@@ -115,37 +124,54 @@ class TensorBatch:
         self._bins = bins
         self._n_metrics = len(plan.metric_names)
         self.entries: list[Entry] = []
+        self._slot_of: list[int] = []
+        self._slot_focus: list[bool] = []
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
         self._pending: list[torch.Tensor] = []
-        self._pending_pos: list[int] = []
+        self._pending_slots: list[int] = []
         self._bytes = 0
         self._values: list[np.ndarray] = []
         self._available: list[np.ndarray] = []
         self._reasons: list[list[str | None]] = []
-        self._positions: list[int] = []
+        self._reduced_slots: list[int] = []
         self._errors: list[BaseException] = []
-        self._hist: list[tuple[int, HistogramData]] = []
+        self._hist: dict[int, HistogramData] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def add(self, entry: Entry, tensor: torch.Tensor) -> None:
-        t = tensor.detach()
-        nbytes = t.numel() * t.element_size()
-        fits = self._bytes + nbytes <= SNAPSHOT_BUDGET_BYTES
-        snap = t.clone() if fits else t
-        self._pending.append(snap)
-        self._pending_pos.append(len(self.entries))
-        self.entries.append(entry)
-        if fits:
-            self._bytes += nbytes
+        key = id(tensor)
+        version = _version(tensor)
+        seen = self._seen.get(key)
+        focus = entry.layer in self._focus
+        if seen is not None and version is not None and seen[1] == version and seen[0]() is tensor:
+            slot = seen[2]
+            if focus:
+                self._slot_focus[slot] = True
         else:
-            self._reduce_pending()
+            t = tensor.detach()
+            nbytes = t.numel() * t.element_size()
+            fits = self._bytes + nbytes <= SNAPSHOT_BUDGET_BYTES
+            snap = t.clone() if fits else t
+            slot = len(self._slot_focus)
+            self._slot_focus.append(focus)
+            if version is not None:
+                self._seen[key] = (weakref.ref(tensor), version, slot)
+            self._pending.append(snap)
+            self._pending_slots.append(slot)
+            if fits:
+                self._bytes += nbytes
+            else:
+                self._reduce_pending()
+        self.entries.append(entry)
+        self._slot_of.append(slot)
 
     def _reduce_pending(self) -> None:
         if not self._pending:
             return
-        tensors, positions = self._pending, self._pending_pos
-        self._pending, self._pending_pos, self._bytes = [], [], 0
+        tensors, slots = self._pending, self._pending_slots
+        self._pending, self._pending_slots, self._bytes = [], [], 0
         n, m = len(tensors), self._n_metrics
         try:
             got = self._plan.reduce(tensors)
@@ -162,40 +188,42 @@ class TensorBatch:
         self._values.append(values)
         self._available.append(available)
         self._reasons.extend(reasons)
-        self._positions.extend(positions)
-        focus = [
-            (p, t)
-            for p, t in zip(positions, tensors, strict=True)
-            if self.entries[p].layer in self._focus
-        ]
+        self._reduced_slots.extend(slots)
+        focus = [(s, t) for s, t in zip(slots, tensors, strict=True) if self._slot_focus[s]]
         if focus:
             try:
                 from ti_core.histograms import compute_histograms
 
                 hists = compute_histograms([t for _, t in focus], bins=self._bins)
-                self._hist.extend((p, h) for (p, _), h in zip(focus, hists, strict=True))
+                self._hist.update((s, h) for (s, _), h in zip(focus, hists, strict=True))
             except Exception as error:
                 self._errors.append(error)
 
     def finish(self) -> Reduced:
         """Reduce what is pending and return every measurement in entry order."""
         self._reduce_pending()
+        self._seen.clear()
         m = self._n_metrics
-        if not self._positions:
+        if not self.entries:
             return Reduced([], np.empty((0, m)), np.empty((0, m), np.bool_), [], self._errors)
-        order = np.argsort(np.asarray(self._positions), kind="stable")
-        values = np.concatenate(self._values)[order]
-        available = np.concatenate(self._available)[order]
-        reasons = [self._reasons[i] for i in order]
-        self._hist.sort(key=lambda item: item[0])
+        row_of_slot = np.empty(len(self._slot_focus), dtype=np.int64)
+        row_of_slot[np.asarray(self._reduced_slots, dtype=np.int64)] = np.arange(
+            len(self._reduced_slots)
+        )
+        rows = row_of_slot[np.asarray(self._slot_of, dtype=np.int64)]
+        values = np.concatenate(self._values)[rows]
+        available = np.concatenate(self._available)[rows]
+        reasons = [self._reasons[i] for i in rows.tolist()]
+        hist_entries: list[Entry] = []
+        histograms: list[HistogramData] = []
+        if self._hist:
+            for entry, slot in zip(self.entries, self._slot_of, strict=True):
+                hist = self._hist.get(slot)
+                if hist is not None and entry.layer in self._focus:
+                    hist_entries.append(entry)
+                    histograms.append(hist)
         return Reduced(
-            self.entries,
-            values,
-            available,
-            reasons,
-            self._errors,
-            [self.entries[p] for p, _ in self._hist],
-            [h for _, h in self._hist],
+            self.entries, values, available, reasons, self._errors, hist_entries, histograms
         )
 
 
@@ -261,6 +289,25 @@ class _Hook:
         return (_inert_factory, ())
 
 
+def _root_enter(observer: Observer) -> None:
+    observer.root_enter()
+
+
+def _root_exit(observer: Observer, module: nn.Module, output: Any) -> None:
+    observer.root_exit(module, output)
+
+
+def _capture(observer: Observer, layer: int, module: nn.Module, output: Any) -> None:
+    observer.capture(layer, module, output)
+
+
+# Under torch.compile the hooks run eagerly (a graph break) instead of being traced; in eager
+# mode the undecorated functions are called, so unsampled forwards pay no wrapper cost.
+_root_enter_eager = torch.compiler.disable(_root_enter)  # type: ignore[no-untyped-call]
+_root_exit_eager = torch.compiler.disable(_root_exit)  # type: ignore[no-untyped-call]
+_capture_eager = torch.compiler.disable(_capture)  # type: ignore[no-untyped-call]
+
+
 class RootPreHook(_Hook):
     __slots__ = ("observer",)
 
@@ -268,7 +315,10 @@ class RootPreHook(_Hook):
         self.observer = observer
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        self.observer.root_enter()
+        if torch.compiler.is_compiling():
+            _root_enter_eager(self.observer)
+        else:
+            self.observer.root_enter()
 
 
 class RootPostHook(_Hook):
@@ -278,7 +328,10 @@ class RootPostHook(_Hook):
         self.observer = observer
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.observer.root_exit(module, output)
+        if torch.compiler.is_compiling():
+            _root_exit_eager(self.observer, module, output)
+        else:
+            self.observer.root_exit(module, output)
 
 
 class CallHook(_Hook):
@@ -291,7 +344,10 @@ class CallHook(_Hook):
         self.layer = layer
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.observer.capture(self.layer, module, output)
+        if torch.compiler.is_compiling():
+            _capture_eager(self.observer, self.layer, module, output)
+        else:
+            self.observer.capture(self.layer, module, output)
 
 
 class ForwardOverride(_Hook):
@@ -331,7 +387,10 @@ class ForwardOverride(_Hook):
         else:  # pragma: no cover - the module owns this object through its __dict__
             raise ReferenceError("module of this forward override is gone")
         if module is not None:
-            self.observer.capture(self.layer, module, output)
+            if torch.compiler.is_compiling():
+                _capture_eager(self.observer, self.layer, module, output)
+            else:
+                self.observer.capture(self.layer, module, output)
         return output
 
 
@@ -342,13 +401,15 @@ class GradientState:
     """Gradient side of one sample: shared by its gradient hooks, owned by the autograd graph.
 
     Each output tensor's gradient is recorded the first time a backward reaches it; the rows of
-    one backward are emitted when that backward ends (an autograd engine callback).
+    one backward are emitted when that backward ends (an autograd engine callback). The same
+    unchanged tensor output by several calls gets one hook serving all of their entries.
     """
 
     __slots__ = (
         "batch",
         "entries",
         "forward_index",
+        "hooked",
         "lock",
         "observer_ref",
         "queued",
@@ -365,38 +426,55 @@ class GradientState:
         self.batch: TensorBatch | None = None
         self.queued = False
         self.lock = threading.Lock()
+        self.hooked: dict[int, tuple[weakref.ref[torch.Tensor], int | None, GradHook]] = {}
 
     def watch(self, entry: Entry, tensor: torch.Tensor) -> None:
         """Register the gradient hook of ``tensor`` (a non-leaf that requires grad)."""
+        index = len(self.entries)
         self.entries.append(entry)
-        tensor.register_hook(GradHook(self, len(self.entries) - 1))  # type: ignore[no-untyped-call]
+        version = _version(tensor)
+        seen = self.hooked.get(id(tensor))
+        if seen is not None and seen[1] == version and seen[0]() is tensor:
+            seen[2].indices.append(index)
+            return
+        hook = GradHook(self, index)
+        tensor.register_hook(hook)  # type: ignore[no-untyped-call]
+        self.hooked[id(tensor)] = (weakref.ref(tensor), version, hook)
 
-    def receive(self, index: int, grad: torch.Tensor) -> None:
+    def forward_done(self) -> None:
+        """The sampled forward returned: no more hooks will be registered."""
+        self.hooked = {}
+
+    def receive(self, indices: list[int], grad: torch.Tensor) -> None:
         observer = self.observer_ref()
         if observer is None or observer.closed:
             return
         try:
             with self.lock:
-                if index in self.recorded:
-                    return
-                self.recorded.add(index)
-                fwd = self.entries[index]
-                entry = Entry(
-                    fwd.layer,
-                    fwd.call_index,
-                    fwd.path,
-                    fwd.train,
-                    fwd.grad_enabled,
-                    tuple(grad.shape),
-                    dtype_name(grad.dtype),
-                    now_us(),
-                )
-                if self.batch is None:
-                    self.batch = observer.new_batch()
-                self.batch.add(entry, grad)
-                if not self.queued:
-                    torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-                    self.queued = True
+                stamp = now_us()
+                shape = tuple(grad.shape)
+                dtype = dtype_name(grad.dtype)
+                for index in indices:
+                    if index in self.recorded:
+                        continue
+                    self.recorded.add(index)
+                    fwd = self.entries[index]
+                    entry = Entry(
+                        fwd.layer,
+                        fwd.call_index,
+                        fwd.path,
+                        fwd.train,
+                        fwd.grad_enabled,
+                        shape,
+                        dtype,
+                        stamp,
+                    )
+                    if self.batch is None:
+                        self.batch = observer.new_batch()
+                    self.batch.add(entry, grad)
+                    if not self.queued:
+                        torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+                        self.queued = True
         except Exception as error:
             observer.errors.handle("gradient capture", error)
 
@@ -411,17 +489,17 @@ class GradientState:
 
 
 class GradHook(_Hook):
-    """Tensor hook bound to one (sample, call, tensor_path); never changes the gradient."""
+    """Tensor hook bound to (sample, call, tensor_path) entries; never changes the gradient."""
 
-    __slots__ = ("index", "state")
+    __slots__ = ("indices", "state")
 
     def __init__(self, state: GradientState, index: int) -> None:
         self.state = state
-        self.index = index
+        self.indices = [index]
 
     def __call__(self, grad: torch.Tensor | None) -> None:
         if grad is not None:
-            self.state.receive(self.index, grad)
+            self.state.receive(self.indices, grad)
 
 
 def install_forward_override(

@@ -49,6 +49,12 @@ def in_reentrant_checkpoint() -> bool:
     return False
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``float32``."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name

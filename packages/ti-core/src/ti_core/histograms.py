@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ti_core import _cpu_scan
+from ti_core import _cpu_scan, reducers
 from ti_core import _selection as sel
 from ti_core.reducers import unsupported_reason
 
@@ -67,7 +67,7 @@ def compute_histograms(tensors: Sequence[torch.Tensor], bins: int = 30) -> list[
             if t.numel() == 0 or unsupported_reason(t) is not None:
                 results[i] = _empty(0)
                 continue
-            if t.device.type == "cpu" and t.numel() > _LARGE:
+            if t.numel() > _LARGE and reducers.uses_numpy(t.device):
                 row = torch.from_numpy(_cpu_scan.histogram_large(_flat_float(t).numpy(), bins))
             else:
                 row = _device_row(t, bins)

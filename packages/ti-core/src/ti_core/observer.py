@@ -248,7 +248,7 @@ class Observer:
                 path,
                 train,
                 grad_enabled,
-                tuple(int(d) for d in tensor.shape),
+                tuple(tensor.shape),
                 dtype_name(tensor.dtype),
                 stamp,
             )
@@ -274,6 +274,8 @@ class Observer:
         return TensorBatch(self._plan, self._focus)
 
     def _finish_forward(self, sample: _Sample) -> None:
+        if sample.gradients is not None:
+            sample.gradients.forward_done()
         reduced = sample.forward.finish()
         self._emit("output", sample.sample_id, sample.forward_index, reduced)
         if sample.gaps:

@@ -110,6 +110,15 @@ SUPPORTED_DTYPES: frozenset[torch.dtype] = (
 """Dtypes the default profile measures; any other dtype gives explained nulls."""
 
 
+def uses_numpy(device: torch.device) -> bool:
+    """Whether tensors on ``device`` are reduced with numpy on their (host) memory.
+
+    CPU tensors are: numpy's SIMD sort, comparisons and compaction beat torch's CPU kernels
+    there. Accelerator tensors use the torch paths, which stay on the device.
+    """
+    return device.type == "cpu"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``, as in the ``dtype`` column."""
     return str(dtype).removeprefix("torch.")
@@ -338,7 +347,7 @@ class _Pending:
         self.rows.setdefault(device, []).append((idx, rows))
 
     def add_large(self, i: int, t: torch.Tensor) -> None:
-        if t.device.type == "cpu":
+        if uses_numpy(t.device):
             row = torch.from_numpy(_cpu_scan.reduce_large(_flat_float(t).numpy()))
         else:
             row = _large_row_optimistic(_flat_float(t))
@@ -442,7 +451,7 @@ def _batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torc
     d = torch.where(finite, x - mean[:, None], 0.0)
     std = torch.sqrt((d * d).sum(1) / nf)
     key = torch.where(finite, x, math.inf)
-    if key.device.type == "cpu":
+    if uses_numpy(key.device):
         ordered = torch.from_numpy(np.sort(key.numpy(), axis=1))  # SIMD sort, no indices
     else:
         ordered = key.sort(dim=1).values

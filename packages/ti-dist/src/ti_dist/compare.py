@@ -54,6 +54,32 @@ def _validate(threshold: float, rtol: float, atol: float, align_on: str) -> None
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
 
+def _refuse_several_runs(table: pl.DataFrame, rows: pl.LazyFrame, key: list[str]) -> None:
+    """Raise when some rank has more than one row for one measurement (several runs mixed)."""
+    mixed = table.filter(pl.col("_distinct_ranks") < pl.col("n_ranks"))
+    if not mixed.height:
+        return
+    first = mixed.row(0, named=True)
+    where = pl.lit(True)
+    for name in key:
+        where = where & (pl.col(name) == first[name])
+    counts = (
+        rows.filter(where)
+        .group_by("rank")
+        .agg(pl.len().alias("n"), pl.col("run_id").unique().sort().alias("run_ids"))
+        .filter(pl.col("n") > 1)
+        .sort("rank")
+        .collect()
+        .row(0, named=True)
+    )
+    raise ValueError(
+        f"rank {counts['rank']} has {counts['n']} rows for one measurement (layer="
+        f"{first['layer']!r}, metric={first['metric']!r}, {key[-1]}={first[key[-1]]}), from "
+        f"run_ids {counts['run_ids']}: the data holds more than one run per rank; filter by "
+        "run_id before comparing"
+    )
+
+
 def compare_ranks(
     source: str | os.PathLike[str] | pl.LazyFrame | pl.DataFrame,
     *,
@@ -110,64 +136,53 @@ def compare_ranks(
         frame = frame.filter(expr)
     rows = frame.select(
         [*key, pl.col("rank").cast(pl.Int32), "run_id", pl.col("value").cast(pl.Float64)]
-    ).collect()
-
-    duplicates = (
-        rows.group_by([*key, "rank"])
-        .agg(pl.len().alias("n"), pl.col("run_id").unique().alias("run_ids"))
-        .filter(pl.col("n") > 1)
     )
-    if duplicates.height:
-        first = duplicates.row(0, named=True)
-        raise ValueError(
-            f"rank {first['rank']} has {first['n']} rows for one measurement "
-            f"(layer={first['layer']!r}, metric={first['metric']!r}, {align_on}="
-            f"{first[align_on]}), from run_ids {sorted(first['run_ids'])}: the data holds more "
-            "than one run per rank; filter by run_id before comparing"
-        )
-
     finite = pl.col("value").is_not_null() & pl.col("value").is_finite()
-    centre = rows.filter(finite).group_by(key).agg(pl.col("value").median().alias("median"))
-    rows = rows.join(centre, on=key, how="left")
+    rows = rows.with_columns(pl.col("value").filter(finite).median().over(key).alias("median"))
     deviation = (pl.col("value") - pl.col("median")).abs()
-    mad = (
-        rows.filter(finite)
-        .with_columns(deviation.alias("_dev"))
-        .group_by(key)
-        .agg(pl.col("_dev").median().alias("_mad"))
-    )
-    rows = rows.join(mad, on=key, how="left")
-    scale = MAD_TO_STD * pl.col("_mad")
+    rows = rows.with_columns(deviation.filter(finite).median().over(key).alias("_mad"))
     tolerance = atol + rtol * pl.col("median").abs()
-    outlier = finite & pl.when(pl.col("_mad") > 0).then(deviation > threshold * scale).otherwise(
-        deviation > tolerance
+    outlier = finite & (
+        pl.when(pl.col("_mad") > 0)
+        .then(deviation > threshold * MAD_TO_STD * pl.col("_mad"))
+        .otherwise(deviation > tolerance)
     )
     rows = rows.with_columns(
         outlier.fill_null(False).alias("_outlier"),
         (pl.col("value").is_not_null() & ~pl.col("value").is_finite()).alias("_nonfinite"),
         pl.col("value").is_null().alias("_null"),
-    ).sort([*key, "rank"])
-
-    table = rows.group_by(key, maintain_order=True).agg(
-        pl.col("rank").alias("ranks"),
-        pl.col("value").alias("values"),
-        pl.len().cast(pl.Int64).alias("n_ranks"),
-        pl.col("value").filter(finite).min().alias("min"),
-        pl.col("value").filter(finite).max().alias("max"),
-        pl.col("median").first().alias("median"),
-        pl.col("rank")
-        .filter(finite & (pl.col("value") == pl.col("value").filter(finite).min()))
-        .min()
-        .alias("min_rank"),
-        pl.col("rank")
-        .filter(finite & (pl.col("value") == pl.col("value").filter(finite).max()))
-        .min()
-        .alias("max_rank"),
-        pl.col("rank").filter(pl.col("_null")).alias("unavailable_ranks"),
-        pl.col("_null").all().alias("_all_null"),
-        pl.col("rank").filter(pl.col("_nonfinite")).alias("nonfinite_ranks"),
-        pl.col("rank").filter(pl.col("_outlier")).alias("outlier_ranks"),
     )
+
+    def ranks_where(condition: pl.Expr) -> pl.Expr:
+        return pl.col("rank").filter(condition).sort()
+
+    table = (
+        rows.group_by(key)
+        .agg(
+            pl.col("rank").sort().alias("ranks"),
+            pl.col("value").sort_by("rank").alias("values"),
+            pl.len().cast(pl.Int64).alias("n_ranks"),
+            pl.col("rank").n_unique().cast(pl.Int64).alias("_distinct_ranks"),
+            pl.col("value").filter(finite).min().alias("min"),
+            pl.col("value").filter(finite).max().alias("max"),
+            pl.col("median").first().alias("median"),
+            pl.col("rank")
+            .filter(finite & (pl.col("value") == pl.col("value").filter(finite).min()))
+            .min()
+            .alias("min_rank"),
+            pl.col("rank")
+            .filter(finite & (pl.col("value") == pl.col("value").filter(finite).max()))
+            .min()
+            .alias("max_rank"),
+            ranks_where(pl.col("_null")).alias("unavailable_ranks"),
+            pl.col("_null").all().alias("_all_null"),
+            ranks_where(pl.col("_nonfinite")).alias("nonfinite_ranks"),
+            ranks_where(pl.col("_outlier")).alias("outlier_ranks"),
+        )
+        .collect()
+    )
+    _refuse_several_runs(table, rows, key)
+
     # Unavailable on every rank is not a rank standing out; it is the measurement's nature.
     table = table.with_columns(
         (pl.col("max") - pl.col("min")).alias("spread"),

@@ -129,13 +129,13 @@ class ScaleGrowth(Problem):
         "overshoots, so fc2's weights, and with them the model output, grow step after step."
     )
     evidence = (
-        "The model output's std (fc2) grows by orders of magnitude after the onset, while the "
-        "normalized features feeding it keep their scale."
+        "The model output's std (fc2) grows by orders of magnitude after the onset, and the "
+        "gradient with respect to it grows with it."
     )
     fix = "Gradient-norm clipping (max_norm=0.1) bounds every update, so the scale stays put."
     panels = (
         Panel("fc2", "output", "std", log_scale=True),
-        Panel("norm", "output", "std", log_scale=True),
+        Panel("fc2", "output_gradient", "std", log_scale=True),
     )
     lr = 0.02
     lr_factor: ClassVar[float] = 18.0

@@ -50,8 +50,12 @@ def _summary_frame(directory: Path, metrics: Sequence[str], signals: Sequence[st
         pl.col("value").sort_by("sample_id").last().alias("latest"),
         pl.col("sample_id").max().alias("latest_sample"),
     )
+    window = facts.window
     table = (
-        aggregate(history, facts.window)
+        aggregate(history, window)
+        .with_columns(  # as in result.json: no window mean from fewer than `window` samples
+            pl.when(pl.col("observations") >= window).then(pl.col("recent_window_mean"))
+        )
         .join(latest, on=keys, how="left")
         .select(
             *keys,

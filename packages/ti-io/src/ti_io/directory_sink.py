@@ -67,9 +67,16 @@ def _report(directory: Path, failures: list[WriteFailure]) -> ArtifactWriteError
     paths = tuple(dict.fromkeys(str(f.path) for f in failures))
     losses = ", ".join(f"{n} {what}" for what, n in lost.items() if n)
     more = f" (and {len(failures) - 1} more failed writes)" if len(failures) > 1 else ""
+    final = any(f.what == "final artifacts" for f in failures)
+    advice = (
+        " Finalization failed: the published parts stay in place; fix the cause and run "
+        f"`ti consolidate {directory}`."
+        if final
+        else ""
+    )
     return ArtifactWriteError(
-        f"could not write {first.path}: {first.cause}{more}; lost {losses or 'nothing'}. "
-        f"Everything already published in {directory} stays readable.",
+        f"could not write {first.path}: {first.cause}{more}; lost {losses or 'no rows'}. "
+        f"Everything already published in {directory} stays readable.{advice}",
         paths=paths,
         rows_lost=sum(f.rows_lost for f in failures if f.what != "TensorBoard histograms"),
     )
@@ -212,6 +219,21 @@ class DirectorySink:
             writer.submit_histograms(batch)
         self._raise_failures(writer)
 
+    def flush(self) -> None:
+        """Publish every row received so far as parts and wait until they are on disk.
+
+        Not needed in normal use (removal finalizes); useful before reading a live run with
+        ``scan_history``. Raises ArtifactWriteError when a write failed.
+        """
+        writer = self._require_open("flush")
+        with self._lock:
+            chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
+        if chunk:
+            writer.submit_history(chunk)
+        writer.submit_flush()
+        writer.wait_idle()
+        self._raise_failures(writer)
+
     def close(self) -> None:
         """Publish the buffered rows, stop the writer, finalize the artifacts. Once only.
 
@@ -233,8 +255,6 @@ class DirectorySink:
         try:
             finalize(self._directory, self._facts)
         except Exception as exc:
-            if not failures:
-                raise
             failures.append(WriteFailure(self._directory, exc, 0, "final artifacts"))
         if failures:
             raise _report(self._directory, failures)

@@ -2,7 +2,7 @@
 
 Module names are arbitrary strings (``/``, ``..``, newlines, Markdown, HTML). They never appear
 in Markdown prose: only inside fenced code blocks, and there as JSON string literals with
-non-ASCII escaped (``json.dumps``), which are also valid Python literals. A literal never
+non-ASCII and ``<>&`` escaped (:func:`literal`), which are also valid Python literals. A literal never
 contains a newline or starts a line, so it cannot close a fence or inject markup. Other
 variable text in prose goes through :func:`md_escape`.
 """
@@ -36,8 +36,14 @@ def md_escape(text: str) -> str:
 
 
 def literal(text: str) -> str:
-    """A one-line JSON (and Python) string literal of ``text``, ASCII only."""
-    return json.dumps(text, ensure_ascii=True)
+    """A one-line JSON (and Python) string literal of ``text``: ASCII only, and ``<``, ``>``,
+    ``&`` escaped too, so no HTML survives even where the Markdown is not rendered as such."""
+    return (
+        json.dumps(text, ensure_ascii=True)
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+    )
 
 
 @dataclass(frozen=True)

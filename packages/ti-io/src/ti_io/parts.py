@@ -87,9 +87,17 @@ class PartWriter:
         """Queue one chunk of history batches to become the next part (blocks when full)."""
         self._put(("history", batches))
 
+    def submit_flush(self) -> None:
+        """Queue publication of the pending histograms as a part."""
+        self._put(("flush", []))
+
     def submit_histograms(self, batch: pa.RecordBatch) -> None:
         """Queue histograms for TensorBoard now and for the next histogram part."""
         self._put(("histograms", [batch]))
+
+    def wait_idle(self) -> None:
+        """Block until every queued chunk has been handled (published or recorded as failed)."""
+        self._queue.join()
 
     def take_errors(self) -> list[WriteFailure]:
         """Failures since the last call (each reported once)."""
@@ -120,20 +128,27 @@ class PartWriter:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None:
-                self._flush_histograms()
-                self._close_events()
-                return
-            kind, batches = item
-            if kind == "history":
-                self._write_history(batches)
-                self._flush_histograms()
-            else:
-                self._write_events(batches[0])
-                self._pending_histograms.append(batches[0])
-                self._pending_histogram_rows += batches[0].num_rows
-                if self._pending_histogram_rows >= self._histogram_part_rows:
+            try:
+                if item is None:
                     self._flush_histograms()
+                    self._close_events()
+                    return
+                self._handle(*item)
+            finally:
+                self._queue.task_done()
+
+    def _handle(self, kind: str, batches: list[pa.RecordBatch]) -> None:
+        if kind == "history":
+            self._write_history(batches)
+            self._flush_histograms()
+        elif kind == "flush":
+            self._flush_histograms()
+        else:
+            self._write_events(batches[0])
+            self._pending_histograms.append(batches[0])
+            self._pending_histogram_rows += batches[0].num_rows
+            if self._pending_histogram_rows >= self._histogram_part_rows:
+                self._flush_histograms()
 
     def _fail(self, path: Path, cause: BaseException, rows: int, what: str) -> None:
         with self._lock:

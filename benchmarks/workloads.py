@@ -1,0 +1,113 @@
+"""The benchmark workloads: a model, a way to make its input and one training (or inference) step.
+
+Each workload is the published reference one (issue 7) so figures compare with the released
+single-package torchinstruments: ``sequence``, ``many`` and ``large`` define the cost targets;
+``conv`` and ``transformer`` add realism. The step is what the ratio is taken against, so it is
+exactly what a training loop would run per batch, with nothing the observer could hide behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LARGE_NUMEL = 16_777_217
+"""2**24 + 1 float32 elements: odd, so the median is one order statistic; quartiles interpolate."""
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Per-workload timing plan: warmup steps, steps per timed block, timed blocks (repeats)."""
+
+    warmup: int
+    steps: int
+    repeats: int
+    every_steps: int  # steps per block when sampling every forward (much slower)
+    interval_steps: int  # total steps of the default 60-s interval configuration
+
+
+@dataclass
+class Workload:
+    """A built workload: ``step()`` runs one step; ``last_input`` is what the step consumed."""
+
+    name: str
+    model: nn.Module
+    step: Callable[[], None]
+    tensor_bytes: int = 0
+    last_input: Callable[[], torch.Tensor] | None = None
+
+
+DEFAULTS: dict[str, Defaults] = {
+    "sequence": Defaults(warmup=20, steps=50, repeats=7, every_steps=10, interval_steps=10_000),
+    "many": Defaults(warmup=5, steps=20, repeats=7, every_steps=2, interval_steps=1_000),
+    "large": Defaults(warmup=2, steps=1, repeats=5, every_steps=1, interval_steps=20),
+    "conv": Defaults(warmup=5, steps=20, repeats=7, every_steps=5, interval_steps=1_000),
+    "transformer": Defaults(warmup=5, steps=20, repeats=7, every_steps=5, interval_steps=1_000),
+}
+QUICK = Defaults(warmup=2, steps=3, repeats=3, every_steps=2, interval_steps=30)
+
+DESCRIPTIONS = {
+    "sequence": "4 x nn.Linear(128,128), input (2,128,128) float32, forward + backward",
+    "many": "nn.Linear(8,8) + 1,000 nn.Identity, input (2,8), forward + backward",
+    "large": "nn.Identity on a fresh torch.randn(16,777,217) float32 per step, forward (no grad)",
+    "conv": "2 x Conv2d+ReLU, pool, Linear; input (8,3,32,32), forward + backward",
+    "transformer": "nn.TransformerEncoderLayer(128, 4 heads, ff 256), input (4,32,128), fwd + bwd",
+    "history": "DirectorySink.close() on a synthetic 900,000-row history",
+}
+
+
+def _train_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        model(x).sum().backward()
+
+    return step
+
+
+def build(name: str, device: str = "cpu") -> Workload:
+    """Build workload ``name`` on ``device`` (deterministic: seeded weights and inputs)."""
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    if name == "sequence":
+        model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)]).to(dev)
+        x = torch.randn(2, 128, 128, device=dev)
+        return Workload(name, model, _train_step(model, x))
+    if name == "many":
+        model = nn.Sequential(nn.Linear(8, 8), *[nn.Identity() for _ in range(1000)]).to(dev)
+        x = torch.randn(2, 8, device=dev)
+        return Workload(name, model, _train_step(model, x))
+    if name == "conv":
+        model = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, 10),
+        ).to(dev)
+        x = torch.randn(8, 3, 32, 32, device=dev)
+        return Workload(name, model, _train_step(model, x))
+    if name == "transformer":
+        model = nn.TransformerEncoderLayer(
+            d_model=128, nhead=4, dim_feedforward=256, dropout=0.0, batch_first=True
+        ).to(dev)
+        x = torch.randn(4, 32, 128, device=dev)
+        return Workload(name, model, _train_step(model, x))
+    if name == "large":
+        model = nn.Identity().to(dev)
+        generator = torch.Generator(device=dev).manual_seed(0)
+        holder: list[torch.Tensor] = []
+
+        def step() -> None:
+            # A fresh batch per step, as a data loader would deliver it; the reduction of the
+            # output (the same tensor, Identity) is what the observer adds.
+            x = torch.randn(LARGE_NUMEL, generator=generator, device=dev)
+            holder[:] = [x]
+            with torch.no_grad():
+                model(x)
+
+        return Workload(name, model, step, LARGE_NUMEL * 4, lambda: holder[0])
+    raise ValueError(f"unknown workload {name!r}; choose from {sorted(DEFAULTS)}")

@@ -1,0 +1,248 @@
+"""The main job: every fault is visible in its broken run's artifacts and absent elsewhere.
+
+Assertions read history.parquet with Polars directly (not through ti_examples.evidence), so
+they check what a user finds on disk.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from ti_io.cli import main as ti_main
+from ti_schema.testing import assert_artifact_dir_conforms
+
+from ti_examples.cli import main
+from ti_examples.experiments import ProblemResult
+from ti_examples.problems import PROBLEMS, VARIANTS
+from ti_examples.training import ExperimentConfig, make_batches, train
+
+# Small but long enough for every fault to develop: the fault starts at step 8 (after four
+# samples taken every 2 steps), and 16 faulty samples follow.
+STEPS = 40
+SAMPLE_EVERY = 2
+ONSET_STEP = 4 * SAMPLE_EVERY
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[ProblemResult]]:
+    """Run find_problems once through its command-line entry point, quietly."""
+    output = tmp_path_factory.mktemp("demo") / "out"
+    results = main(
+        [
+            "--output",
+            str(output),
+            "--steps",
+            str(STEPS),
+            "--sample-every",
+            str(SAMPLE_EVERY),
+            "--quiet",
+        ]
+    )
+    return output, results
+
+
+CONFIG = ExperimentConfig(steps=STEPS, sample_every=SAMPLE_EVERY)
+
+
+def history(output: Path, problem: str, variant: str) -> pl.DataFrame:
+    return pl.read_parquet(output / problem / variant / "history.parquet")
+
+
+def series(frame: pl.DataFrame, layer: str, signal: str, metric: str) -> pl.DataFrame:
+    """sample_id, forward_index, value of one metric, sorted by sample."""
+    return (
+        frame.filter(
+            (pl.col("layer") == layer)
+            & (pl.col("signal") == signal)
+            & (pl.col("metric") == metric)
+            & (pl.col("call_index") == 0)
+        )
+        .select("sample_id", "forward_index", "value")
+        .sort("sample_id")
+    )
+
+
+def split(frame: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Values before and after the onset step."""
+    before = frame.filter(pl.col("forward_index") < ONSET_STEP)["value"].to_numpy()
+    after = frame.filter(pl.col("forward_index") >= ONSET_STEP)["value"].to_numpy()
+    return before, after
+
+
+def test_writes_every_run_with_valid_artifacts(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, results = demo
+    assert [r.problem.name for r in results] == list(PROBLEMS)
+    for name in PROBLEMS:
+        for variant in VARIANTS:
+            run = output / name / variant
+            for artifact in ("history.parquet", "result.json", "index.md", "tensorboard"):
+                assert (run / artifact).exists(), f"{run} lacks {artifact}"
+            assert not (run / "history.parts").exists()
+            assert_artifact_dir_conforms(run)
+    assert ti_main(["validate", str(output / "detached" / "broken")]) == 0
+
+
+def test_samples_follow_the_sampler(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, _ = demo
+    samples = (
+        history(output, "inactive_relu", "broken")
+        .select("sample_id", "forward_index")
+        .unique()
+        .sort("sample_id")
+    )
+    expected = list(range(0, STEPS, SAMPLE_EVERY))
+    assert samples["forward_index"].to_list() == expected
+    assert samples["sample_id"].to_list() == list(range(len(expected)))
+    # four healthy samples, then the fault
+    assert samples.filter(pl.col("forward_index") < ONSET_STEP).height == 4
+
+
+def test_inactive_relu(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, _ = demo
+    for variant in VARIANTS:
+        frame = history(output, "inactive_relu", variant)
+        zeros_before, zeros_after = split(series(frame, "act", "output", "zero_fraction"))
+        grad_before, grad_after = split(series(frame, "fc1", "output_gradient", "zero_fraction"))
+        assert zeros_before.max() < 0.9
+        if variant == "broken":
+            assert np.all(zeros_after == 1.0)
+            assert np.all(grad_after == 1.0), "no gradient reaches fc1 through a dead ReLU"
+        else:
+            assert zeros_after.max() < 0.9
+            assert grad_after.max() < 0.9
+
+
+def test_saturation(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, _ = demo
+    for variant in VARIANTS:
+        frame = history(output, "saturation", variant)
+        before, after = split(series(frame, "fc1", "output_gradient", "std"))
+        ratio = np.median(after) / np.median(before)
+        if variant == "broken":
+            assert ratio < 0.1, f"gradient before the sigmoid should collapse, ratio {ratio}"
+            pre_before, pre_after = split(series(frame, "fc1", "output", "std"))
+            assert np.median(pre_after) > 100 * np.median(pre_before)
+        else:
+            assert ratio > 0.3, f"{variant}: ratio {ratio}"
+
+
+def test_scale_growth(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, _ = demo
+    for variant in VARIANTS:
+        frame = history(output, "scale_growth", variant)
+        before, after = split(series(frame, "fc2", "output", "std"))
+        growth = np.nanmax(after) / np.median(before)
+        if variant == "broken":
+            assert growth > 1e3, f"output std should grow by orders of magnitude, got {growth}"
+        else:
+            assert growth < 10, f"{variant}: growth {growth}"
+
+
+def test_nonfinite(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, _ = demo
+    for variant in VARIANTS:
+        frame = history(output, "nonfinite", variant)
+        fractions = frame.filter(pl.col("metric") == "nonfinite_fraction")
+        assert fractions["value"].null_count() == 0
+        before = fractions.filter(pl.col("forward_index") < ONSET_STEP)
+        assert before["value"].max() == 0.0
+        if variant == "broken":
+            _, standardized = split(series(frame, "standardize", "output", "nonfinite_fraction"))
+            # one of the 16 features is 0/0 in every faulty batch
+            assert np.all(standardized == pytest.approx(1 / 16))
+            _, final = split(series(frame, "fc2", "output", "nonfinite_fraction"))
+            assert np.all(final == 1.0)
+        else:
+            assert fractions["value"].max() == 0.0, f"{variant} has non-finite values"
+
+
+def test_detached(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, _ = demo
+    for variant in VARIANTS:
+        frame = history(output, "detached", variant)
+        all_samples = set(frame["sample_id"].unique().to_list())
+        healthy = set(
+            frame.filter(pl.col("forward_index") < ONSET_STEP)["sample_id"].unique().to_list()
+        )
+        grads = frame.filter(pl.col("signal") == "output_gradient")
+        trunk_layers = [f"trunk.{i}" for i in range(4)]
+        for layer in trunk_layers:
+            got = set(grads.filter(pl.col("layer") == layer)["sample_id"].unique().to_list())
+            if variant == "broken":
+                assert got == healthy, f"{layer}: gradient rows only before the detach"
+            else:
+                assert got == all_samples, f"{variant} {layer}: a gradient row for every sample"
+        head = set(grads.filter(pl.col("layer") == "head")["sample_id"].unique().to_list())
+        assert head == all_samples
+
+
+def test_observer_is_passive_and_exact(demo: tuple[Path, list[ProblemResult]]) -> None:
+    """Losses match an unobserved run; a recorded statistic matches numpy float64."""
+    output, results = demo
+    problem = PROBLEMS["inactive_relu"]
+    observed = next(r for r in results if r.problem is problem).losses["baseline"]
+    torch.manual_seed(CONFIG.seed)
+    model = problem.build_model("baseline")
+    captured: list[np.ndarray] = []
+    model.act.register_forward_hook(  # type: ignore[union-attr]
+        lambda m, a, out: captured.append(out.detach().double().numpy())
+    )
+    assert train(problem, "baseline", model, CONFIG) == observed
+    recorded = series(history(output, "inactive_relu", "baseline"), "act", "output", "std")
+    for sample_id, forward_index, value in recorded.iter_rows():
+        assert value == pytest.approx(np.std(captured[forward_index]), rel=1e-5), sample_id
+    assert len(make_batches(CONFIG)) == STEPS
+
+
+def test_comparison_csv_keeps_gaps(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, _ = demo
+    frame = pl.read_csv(output / "detached" / "comparison.csv")
+    assert {"problem", "variant", "sample_id", "series", "value", "after_onset"} <= set(
+        frame.columns
+    )
+    samples = len(range(0, STEPS, SAMPLE_EVERY))
+    assert frame.height == len(VARIANTS) * len(PROBLEMS["detached"].panels) * samples
+    trunk = frame.filter(
+        (pl.col("series") == "trunk.0 output_gradient std") & (pl.col("variant") == "broken")
+    )
+    assert trunk.filter(pl.col("after_onset"))["value"].null_count() == samples - 4
+    assert trunk.filter(~pl.col("after_onset"))["value"].null_count() == 0
+
+
+def test_evidence_table(demo: tuple[Path, list[ProblemResult]]) -> None:
+    _, results = demo
+    detached = next(r for r in results if r.problem.name == "detached")
+    row = detached.table.filter(
+        (pl.col("series") == "trunk.0 output_gradient std") & (pl.col("variant") == "broken")
+    )
+    assert row["measured_after"].item() == "0/16"
+    assert row["after_onset"].item() is None
+    assert detached.onset_sample == 4
+
+
+def test_plots_are_readable_pngs(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, _ = demo
+    for name, problem in PROBLEMS.items():
+        path = output / name / "comparison.png"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        image = mpimg.imread(path)
+        height, width = image.shape[:2]
+        assert width >= 600
+        assert height >= 250 * len(problem.panels)
+        assert image[..., :3].std() > 0.05, "the image is not blank"
+
+
+def test_refuses_an_output_that_holds_runs(demo: tuple[Path, list[ProblemResult]]) -> None:
+    output, _ = demo
+    with pytest.raises(SystemExit, match="already holds runs"):
+        main(["--output", str(output), "--quiet", "--problem", "detached"])
+
+
+def test_rejects_too_few_steps(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="steps must be >= 25"):
+        main(["--output", str(tmp_path), "--steps", "10", "--quiet"])

@@ -1,0 +1,146 @@
+"""Synthetic runs for sink-level tests: RunInfo and batches built against ti-schema."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ti_core.sink import LayerInfo, RunInfo
+from ti_schema import DEFAULT_METRICS, histogram_schema, history_schema
+
+PRODUCER = "ti-io tests"
+START = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def make_run(
+    layers: tuple[tuple[str, str], ...] = (("encoder.0", "Linear"), ("encoder.1", "ReLU")),
+    *,
+    focus: tuple[str, ...] | None = None,
+    rank_subdir: str | None = None,
+    metrics: tuple[str, ...] = DEFAULT_METRICS,
+) -> RunInfo:
+    infos = tuple(LayerInfo(name, kind) for name, kind in layers)
+    return RunInfo(
+        run_id="run-1",
+        rank=0,
+        world_size=1,
+        producer=PRODUCER,
+        started_at=START,
+        layers=infos,
+        focus_layers=tuple(focus if focus is not None else [i.name for i in infos][:8]),
+        metrics=metrics,
+        sampler="EveryNForwardsSampler(n=1)",
+        rank_subdir=rank_subdir,
+        settings={"error_policy": "warn"},
+    )
+
+
+@dataclass
+class Synth:
+    """Deterministic synthetic samples of a run: history and histogram batches."""
+
+    run: RunInfo
+    seed: int = 0
+    empty_every: int = 0
+    """Every n-th sample, the last layer's gradient is an empty tensor (unavailable values)."""
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+
+    def tensors(self, sample: int) -> Iterator[tuple[str, str, str]]:
+        types = {i.name: i.module_type for i in self.run.layers}
+        executed = [i.name for i in self.run.layers]
+        for signal in ("output", "output_gradient"):
+            for layer in executed:
+                yield layer, types[layer], signal
+
+    def history(self, sample: int, *, dictionary: bool = False) -> pa.RecordBatch:
+        cols: dict[str, list[Any]] = {n: [] for n in history_schema().names}
+        ts = START + timedelta(seconds=sample)
+        last = self.run.layers[-1].name
+        for layer, kind, signal in self.tensors(sample):
+            empty = (
+                self.empty_every
+                and sample % self.empty_every == 0
+                and layer == last
+                and signal == "output_gradient"
+            )
+            for metric in self.run.metrics:
+                value = None if empty else float(self.rng.normal(loc=sample * 0.01, scale=1.0))
+                row = {
+                    "run_id": self.run.run_id,
+                    "rank": 0,
+                    "sample_id": sample,
+                    "forward_index": sample * 2,
+                    "timestamp": ts,
+                    "layer": layer,
+                    "module_type": kind,
+                    "call_index": 0,
+                    "signal": signal,
+                    "tensor_path": "",
+                    "mode": "train",
+                    "grad_enabled": True,
+                    "shape": [0, 4] if empty else [8, 4],
+                    "dtype": "float32",
+                    "metric": metric,
+                    "value": value,
+                    "unavailable_reason": "empty tensor (numel=0)" if empty else None,
+                }
+                for k, v in row.items():
+                    cols[k].append(v)
+        table = pa.table(cols, schema=history_schema(PRODUCER))
+        if dictionary:
+            table = table.cast(
+                pa.schema(
+                    [
+                        f.with_type(pa.dictionary(pa.int32(), pa.string()))
+                        if f.name in ("layer", "metric", "signal")
+                        else f
+                        for f in table.schema
+                    ],
+                    metadata=table.schema.metadata,
+                )
+            )
+        return table.to_batches()[0]
+
+    def histograms(self, sample: int) -> pa.RecordBatch:
+        cols: dict[str, list[Any]] = {n: [] for n in histogram_schema().names}
+        ts = START + timedelta(seconds=sample)
+        types = {i.name: i.module_type for i in self.run.layers}
+        for signal in ("output", "output_gradient"):
+            for layer in self.run.focus_layers:
+                values = self.rng.normal(size=64)
+                counts, edges = np.histogram(values, bins=10)
+                row = {
+                    "run_id": self.run.run_id,
+                    "rank": 0,
+                    "sample_id": sample,
+                    "forward_index": sample * 2,
+                    "timestamp": ts,
+                    "layer": layer,
+                    "module_type": types[layer],
+                    "call_index": 0,
+                    "signal": signal,
+                    "tensor_path": "",
+                    "mode": "train",
+                    "grad_enabled": True,
+                    "shape": [8, 8],
+                    "dtype": "float32",
+                    "bucket_limits": [float(e) for e in edges[1:]],
+                    "bucket_counts": [int(c) for c in counts],
+                    "min": float(values.min()),
+                    "max": float(values.max()),
+                    "num": 64,
+                    "sum": float(values.sum()),
+                    "sum_squares": float(values @ values),
+                    "nonfinite_count": 0,
+                }
+                for k, v in row.items():
+                    cols[k].append(v)
+        return pa.table(cols, schema=histogram_schema(PRODUCER)).to_batches()[0]

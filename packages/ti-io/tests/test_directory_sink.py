@@ -1,0 +1,369 @@
+"""DirectorySink driven with synthetic ti-schema batches: artifacts, parts, refusal, faults."""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _io_helpers import Synth, make_run
+
+import ti_io.parts
+from ti_io import ArtifactWriteError, DirectorySink, HistoryConfig, scan_history
+from ti_schema import DEFAULT_METRICS, SCHEMA_VERSION
+from ti_schema.result_json import validate_result_json
+from ti_schema.testing import load_strict_json
+from ti_schema.validate import validate_histograms, validate_history
+
+
+def run_sink(
+    out: Path, synth: Synth, samples: int, *, buffer_rows: int = 100, window: int = 3
+) -> DirectorySink:
+    sink = DirectorySink(out, history_config=HistoryConfig(buffer_rows=buffer_rows, window=window))
+    sink.open(synth.run)
+    for sample in range(samples):
+        sink.write_history(synth.history(sample, dictionary=sample % 2 == 1))
+        sink.write_histograms(synth.histograms(sample))
+    return sink
+
+
+def test_artifacts_have_exact_rows_and_conform(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth(empty_every=4)
+    sink = run_sink(tmp_path / "stats", s, samples=25)
+    sink.close()
+    out = tmp_path / "stats"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "histograms.parquet",
+        "history.parquet",
+        "index.md",
+        "result.json",
+        "tensorboard",
+    ]
+    history = pq.read_table(out / "history.parquet")
+    tensors = 2 * len(s.run.layers)
+    assert history.num_rows == 25 * tensors * len(DEFAULT_METRICS)
+    validate_history(history)
+    histograms = pq.read_table(out / "histograms.parquet")
+    assert histograms.num_rows == 25 * 2 * len(s.run.focus_layers)
+    validate_histograms(histograms)
+    validate_result_json(load_strict_json(out / "result.json"))
+    meta = json.loads(history.schema.metadata[b"ti"])
+    assert meta == {
+        "schema": "ti.history",
+        "schema_version": SCHEMA_VERSION,
+        "producer": "ti-io tests",
+    }
+    # Dictionary-encoded input batches are stored as plain strings, identical to the input.
+    expected = pa.concat_tables(
+        pa.Table.from_batches([Synth(s.run, empty_every=4).history(i)]) for i in range(25)
+    )
+    assert history.drop(["value"]).equals(expected.drop(["value"]))
+
+
+def test_catalog_and_index_readable_before_close(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    layers = (("enc", "Linear"), ("never.ran", "Dropout"))
+    run = make_run(layers)
+    sink = DirectorySink(tmp_path)
+    sink.open(run)
+    records = load_strict_json(tmp_path / "result.json")
+    assert records == [
+        {"layer": "enc", "type": "Linear", "aliases": [], "tensors": []},
+        {"layer": "never.ran", "type": "Dropout", "aliases": [], "tensors": []},
+    ]
+    validate_result_json(records)
+    assert "Status: live" in (tmp_path / "index.md").read_text()
+    sink.close()
+    final = load_strict_json(tmp_path / "result.json")
+    assert [r["layer"] for r in final] == ["enc", "never.ran"]
+    assert final[1]["tensors"] == []  # selected, never executed: still listed
+
+
+def test_parts_are_readable_while_running(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth()
+    per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)  # 36 rows
+    sink = run_sink(tmp_path, s, samples=10, buffer_rows=50)
+    sink.flush()
+    parts = sorted((tmp_path / "history.parts").glob("*.parquet"))
+    assert len(parts) >= 2
+    live = scan_history(tmp_path).collect()
+    assert live.height == 10 * per_sample
+    assert live.get_column("sample_id").unique().sort().to_list() == list(range(10))
+    for part in parts:  # each part is a complete, conforming Parquet file
+        validate_history(pq.read_table(part))
+    sink.write_history(s.history(10))
+    sink.close()
+    assert scan_history(tmp_path).select(pl.len()).collect().item() == 11 * per_sample
+    assert not (tmp_path / "history.parts").exists()
+
+
+def _reference(values: list[float | None], window: int) -> dict[str, Any]:
+    observed = np.array([v for v in values if v is not None], dtype=np.float64)
+    ref: dict[str, Any] = {
+        "observations": len(observed),
+        "unavailable": len(values) - len(observed),
+    }
+    if len(observed) == 0:
+        return ref | dict.fromkeys(("mean", "std", "min", "p25", "p50", "p75", "max"))
+    ref |= {
+        "mean": observed.mean(),
+        "std": observed.std(ddof=0),
+        "min": observed.min(),
+        "p25": np.percentile(observed, 25),
+        "p50": np.percentile(observed, 50),
+        "p75": np.percentile(observed, 75),
+        "max": observed.max(),
+        "recent_window_mean": observed[-window:].mean() if len(observed) >= window else None,
+        "previous_window_mean": observed[-2 * window : -window].mean()
+        if len(observed) >= 2 * window
+        else None,
+    }
+    return ref
+
+
+def test_result_json_matches_numpy_reference(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    window = 4
+    s = synth(empty_every=3, seed=7)
+    # Deliver samples out of order (as backwards may): aggregates must follow sample_id.
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=64, window=window))
+    sink.open(s.run)
+    batches = {i: s.history(i) for i in range(23)}
+    for i in [*range(10, 23), *range(10)]:
+        sink.write_history(batches[i])
+    sink.close()
+    history = pl.read_parquet(tmp_path / "history.parquet").sort("sample_id")
+    records = load_strict_json(tmp_path / "result.json")
+    checked = 0
+    for record in records:
+        for tensor in record["tensors"]:
+            for metric, stats in tensor["statistics"].items():
+                values = (
+                    history.filter(
+                        (pl.col("layer") == record["layer"])
+                        & (pl.col("signal") == tensor["signal"])
+                        & (pl.col("metric") == metric)
+                    )
+                    .get_column("value")
+                    .to_list()
+                )
+                for key, expected in _reference(values, window).items():
+                    if expected is None:
+                        assert stats[key] is None, (record["layer"], metric, key)
+                    elif isinstance(expected, int):
+                        assert stats[key] == expected
+                    else:
+                        assert stats[key] == pytest.approx(float(expected), rel=1e-12, abs=1e-15)
+                checked += 1
+    assert checked == 2 * len(s.run.layers) * len(DEFAULT_METRICS)
+    gradient = next(t for t in records[-1]["tensors"] if t["signal"] == "output_gradient")
+    stats = gradient["statistics"]["mean"]
+    assert stats["unavailable"] == 8  # samples 0, 3, ..., 21 are empty tensors
+    assert stats["observations"] == 15
+    assert gradient["latest_shape"] == [8, 4]  # sample 22 is not empty
+
+
+def test_null_aggregates_carry_reasons(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth(empty_every=1)  # the last layer's gradient is always empty
+    sink = run_sink(tmp_path, s, samples=5, window=3)
+    sink.close()
+    records = load_strict_json(tmp_path / "result.json")
+    empty = next(t for t in records[-1]["tensors"] if t["signal"] == "output_gradient")
+    stats = empty["statistics"]["p50"]
+    assert stats["observations"] == 0
+    assert stats["unavailable"] == 5
+    assert stats["mean"] is None
+    assert stats["unavailable_reason"] == "all 5 samples unavailable: empty tensor (numel=0)"
+    short = records[0]["tensors"][0]["statistics"]["mean"]  # 5 observations, window 3
+    assert short["recent_window_mean"] is not None
+    assert short["previous_window_mean"] is None
+    assert "previous_window_mean needs 6 observations" in short["unavailable_reason"]
+
+
+def test_nan_values_never_reach_json(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth()
+    sink = DirectorySink(tmp_path)
+    sink.open(s.run)
+    batch = s.history(0)
+    values = batch.column("value").to_numpy(zero_copy_only=False).copy()
+    values[0] = np.nan  # a custom reducer may produce NaN
+    sink.write_history(
+        batch.set_column(batch.schema.get_field_index("value"), "value", pa.array(values))
+    )
+    sink.close()
+    text = (tmp_path / "result.json").read_text()
+    assert re.search(r"[:\[,]\s*-?(NaN|Infinity)", text) is None  # no bare tokens
+    stats = load_strict_json(tmp_path / "result.json")[0]["tensors"][0]["statistics"]["mean"]
+    assert stats["mean"] is None
+    assert "not finite" in stats["unavailable_reason"]
+
+
+def test_existing_run_is_refused_untouched(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth()
+    run_sink(tmp_path, s, samples=3).close()
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match=r"overwrite=True") as caught:
+        DirectorySink(tmp_path).open(s.run)
+    assert str(tmp_path) in str(caught.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_replaces_only_our_artifacts(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth()
+    run_sink(tmp_path, s, samples=3).close()
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "tensorboard" / "keep.txt").write_text("mine too")
+    live = run_sink(tmp_path / "live", s, samples=2)
+    with pytest.raises(FileExistsError):
+        DirectorySink(tmp_path / "live").open(s.run)  # a live run is a run too
+    live.close()
+    sink = DirectorySink(tmp_path, overwrite=True)
+    sink.open(s.run)
+    sink.write_history(s.history(0))
+    sink.close()
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "tensorboard" / "keep.txt").read_text() == "mine too"
+    assert pl.read_parquet(tmp_path / "history.parquet").get_column(
+        "sample_id"
+    ).unique().to_list() == [0]
+
+
+def test_rank_subdir(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    run = make_run(rank_subdir="rank-001")
+    sink = DirectorySink(tmp_path)
+    sink.open(run)
+    sink.write_history(Synth(run).history(0))
+    sink.close()
+    assert (tmp_path / "rank-001" / "history.parquet").is_file()
+    with pytest.raises(FileNotFoundError, match="scan_ranks"):
+        scan_history(tmp_path)
+    with pytest.raises(ValueError, match="rank_subdir"):
+        DirectorySink(tmp_path / "x").open(make_run(rank_subdir="../escape"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"output_dir": 3}, TypeError, "output_dir"),
+        ({"output_dir": ""}, ValueError, "output_dir"),
+        ({"output_dir": "x", "history_config": {"window": 3}}, TypeError, "history_config"),
+        ({"output_dir": "x", "overwrite": "yes"}, TypeError, "overwrite"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        DirectorySink(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"buffer_rows": 0}, "buffer_rows"),
+        ({"window": -1}, "window"),
+        ({"window": 2.5}, "window"),
+        ({"buffer_rows": True}, "buffer_rows"),
+    ],
+)
+def test_history_config_validation(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        HistoryConfig(**kwargs)
+
+
+def test_construction_does_no_io(tmp_path: Path) -> None:
+    DirectorySink(tmp_path / "not" / "yet")
+    assert not (tmp_path / "not").exists()
+
+
+def test_wrong_batch_schema_is_refused(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth()
+    sink = DirectorySink(tmp_path)
+    sink.open(s.run)
+    batch = s.history(0)
+    with pytest.raises(ValueError, match="history_schema"):
+        sink.write_history(batch.drop_columns(["dtype"]))
+    with pytest.raises(ValueError, match="'value'"):
+        sink.write_history(batch.set_column(15, "value", pa.array(["x"] * batch.num_rows)))
+    sink.close()
+
+
+def test_write_failure_is_reported_and_the_rest_survives(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = synth()
+    real = ti_io.parts.write_parquet
+    calls = {"n": 0}
+
+    def flaky(path: Path, table: pa.Table) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second part hits a full disk
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, table)
+
+    monkeypatch.setattr(ti_io.parts, "write_parquet", flaky)
+    per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=per_sample))
+    sink.open(s.run)
+    sink.write_history(s.history(0))
+    sink.write_history(s.history(1))
+    with pytest.raises(ArtifactWriteError, match="No space left") as caught:
+        sink.flush()
+    assert caught.value.rows_lost == per_sample
+    assert "part-000001.parquet" in str(caught.value)
+    sink.write_history(s.history(2))
+    sink.close()  # finalizes what was published
+    kept = pl.read_parquet(tmp_path / "history.parquet").get_column("sample_id").unique().sort()
+    assert kept.to_list() == [0, 2]
+
+
+def test_deleted_directory_is_reported(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    import shutil
+
+    s = synth()
+    out = tmp_path / "stats"
+    per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)
+    sink = DirectorySink(out, history_config=HistoryConfig(buffer_rows=per_sample))
+    sink.open(s.run)
+    shutil.rmtree(out)
+    sink.write_history(s.history(0))
+    with pytest.raises(ArtifactWriteError, match=str(out)):
+        sink.flush()
+    with pytest.raises(ArtifactWriteError):
+        sink.close()
+    assert not any(t.name == "ti-io-part-writer" for t in threading.enumerate())
+
+
+def test_backpressure_blocks_instead_of_dropping(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = synth()
+    gate = threading.Event()
+    real = ti_io.parts.write_parquet
+
+    def slow(path: Path, table: pa.Table) -> None:
+        gate.wait()
+        real(path, table)
+
+    monkeypatch.setattr(ti_io.parts, "write_parquet", slow)
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=1))
+    sink.open(s.run)
+    chunks = ti_io.parts.QUEUE_CHUNKS + 3
+    producer = threading.Thread(
+        target=lambda: [sink.write_history(s.history(i)) for i in range(chunks)]
+    )
+    producer.start()
+    producer.join(timeout=0.5)
+    assert producer.is_alive()  # the queue is full and the writer is stuck: training waits
+    gate.set()
+    producer.join()
+    sink.close()
+    ids = pl.read_parquet(tmp_path / "history.parquet").get_column("sample_id").unique().sort()
+    assert ids.to_list() == list(range(chunks))

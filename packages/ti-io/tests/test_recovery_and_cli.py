@@ -1,0 +1,136 @@
+"""scan_history, consolidate after an interruption, and the `ti` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import polars as pl
+import pytest
+from _io_helpers import Synth, make_run
+from ti_schema import DEFAULT_METRICS
+from ti_schema.result_json import validate_result_json
+from ti_schema.testing import load_strict_json
+
+from ti_io import (
+    DirectorySink,
+    HistoryConfig,
+    NothingToConsolidateError,
+    consolidate,
+    scan_history,
+)
+from ti_io.cli import main
+
+
+def _interrupted(out: Path, s: Synth, samples: int) -> int:
+    """A run whose process 'died' after publishing its parts: no close, no finalization."""
+    sink = DirectorySink(out, history_config=HistoryConfig(buffer_rows=40, window=2))
+    sink.open(s.run)
+    for i in range(samples):
+        sink.write_history(s.history(i))
+        sink.write_histograms(s.histograms(i))
+    sink._flush_at_exit()  # what the interpreter-exit hook does: parts, no finalization
+    return samples * 2 * len(s.run.layers) * len(DEFAULT_METRICS)
+
+
+def test_consolidate_recovers_every_row(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth(empty_every=2)
+    rows = _interrupted(tmp_path, s, samples=7)
+    assert not (tmp_path / "history.parquet").exists()
+    assert scan_history(tmp_path).select(pl.len()).collect().item() == rows
+    done = consolidate(tmp_path)
+    assert (done.history_rows, done.histogram_rows) == (rows, 7 * 2 * len(s.run.focus_layers))
+    assert pl.read_parquet(tmp_path / "history.parquet").height == rows
+    assert not (tmp_path / "history.parts").exists()
+    records = load_strict_json(tmp_path / "result.json")
+    validate_result_json(records)
+    assert [r["layer"] for r in records] == [i.name for i in s.run.layers]  # catalog kept
+    stats = records[0]["tensors"][0]["statistics"]["mean"]
+    assert stats["recent_window_mean"] is not None  # the run's own window (2) was used
+    again = consolidate(tmp_path)  # idempotent
+    assert again.already_done
+    assert again.history_rows == rows
+
+
+def test_consolidate_refuses_nothing(tmp_path: Path) -> None:
+    with pytest.raises(NothingToConsolidateError, match="no TorchInstruments run"):
+        consolidate(tmp_path)
+    with pytest.raises(NothingToConsolidateError, match="no such directory"):
+        consolidate(tmp_path / "missing")
+
+
+def test_consolidate_refuses_a_live_writer(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth()
+    _interrupted(tmp_path, s, samples=2)
+    run_file = tmp_path / "history.parts" / "run.json"
+    doc = json.loads(run_file.read_text())
+    doc["pid"] = os.getppid()  # a live process other than this one
+    run_file.write_text(json.dumps(doc))
+    with pytest.raises(RuntimeError, match="still being written"):
+        consolidate(tmp_path)
+    assert consolidate(tmp_path, force=True).history_rows > 0
+
+
+def test_scan_history_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        scan_history(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no history"):
+        scan_history(tmp_path)
+
+
+def test_cli_validate_summary_consolidate(
+    tmp_path: Path, synth: Callable[..., Synth], capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = synth()
+    _interrupted(tmp_path, s, samples=3)
+    assert main(["summary", str(tmp_path), "--metric", "mean"]) == 0  # live parts
+    live = capsys.readouterr().out
+    assert "live or unconsolidated" in live
+    assert "encoder.0" in live
+    assert main(["validate", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "ok"
+    assert main(["consolidate", str(tmp_path)]) == 0
+    assert "consolidated" in capsys.readouterr().out
+    assert main(["validate", str(tmp_path)]) == 0
+    capsys.readouterr()
+    # Break result.json (a NaN token) and history (an extra column): both are listed.
+    text = (tmp_path / "result.json").read_text()
+    (tmp_path / "result.json").write_text(text.replace('"unavailable": 0', '"unavailable": NaN', 1))
+    pl.read_parquet(tmp_path / "history.parquet").with_columns(extra=pl.lit(1)).write_parquet(
+        tmp_path / "history.parquet"
+    )
+    assert main(["validate", str(tmp_path)]) == 1
+    report = capsys.readouterr().out
+    assert "result.json: not strict JSON" in report
+    assert "'extra'" in report
+
+
+def test_cli_escapes_names_in_the_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = make_run((("evil\n\x1b[31mred", "Linear"), ("", "Model")))
+    s = Synth(run)
+    sink = DirectorySink(tmp_path)
+    sink.open(run)
+    sink.write_history(s.history(0))
+    sink.close()
+    assert main(["summary", str(tmp_path), "--metric", "max", "--signal", "output"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "evil\\n\\u001b[31mred" in out
+    assert "(root)" in out
+
+
+def test_console_script_runs(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ti_io.cli", "consolidate", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "no TorchInstruments run" in done.stderr

@@ -1,0 +1,110 @@
+"""TensorBoard: tags for arbitrary names, our event files, and caller-owned writers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+from _io_helpers import Synth, make_run
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+
+from ti_io import DirectorySink, TensorBoardSink, histogram_tag
+from ti_io.tags import ROOT_TAG, escape_tag_part
+
+
+def _load(logdir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(logdir), size_guidance={"histograms": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["blocks.0", "a/b", "..", "x\ny", "<script>alert(1)</script>", "`code` | *x*", "名前", "50%"],
+)
+def test_tags_escape_names_reversibly(name: str) -> None:
+    tag = histogram_tag(name, 2, "output", "['a/b']")
+    layer, call, rest = tag.split("/")
+    assert unquote(layer) == name
+    assert call == "call2"
+    assert unquote(rest) == "output['a/b']"
+    assert all(c.isprintable() and not c.isspace() for c in tag)
+    assert not set(tag) & set("<>&\"'`\\")
+
+
+def test_root_tag_cannot_collide() -> None:
+    assert histogram_tag("", 0, "output", "") == f"{ROOT_TAG}/call0/output"
+    assert escape_tag_part(ROOT_TAG) != ROOT_TAG  # a module named "%root" is escaped
+
+
+def test_directory_events_hold_exactly_the_focus_histograms(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    layers = (("enc", "Linear"), ("odd/name\n", "ReLU"), ("head", "Linear"))
+    run = make_run(layers, focus=("enc", "odd/name\n"))
+    s = Synth(run)
+    sink = DirectorySink(tmp_path)
+    sink.open(run)
+    batches = [s.histograms(i) for i in range(4)]
+    for i, batch in enumerate(batches):
+        sink.write_history(s.history(i))
+        sink.write_histograms(batch)
+    sink.close()
+    acc = _load(tmp_path / "tensorboard")
+    expected = {
+        histogram_tag(layer, 0, signal, "")
+        for layer in ("enc", "odd/name\n")
+        for signal in ("output", "output_gradient")
+    }
+    assert set(acc.Tags()["histograms"]) == expected
+    first = batches[0].to_pylist()[0]
+    events = acc.Histograms(histogram_tag("enc", 0, "output", ""))
+    assert [e.step for e in events] == [0, 1, 2, 3]
+    assert events[0].histogram_value.min == first["min"]
+    assert events[0].histogram_value.num == first["num"]
+    assert list(events[0].histogram_value.bucket) == first["bucket_counts"]
+
+
+def test_caller_summary_writer_is_flushed_not_closed(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    s = synth()
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    sink = TensorBoardSink(writer)
+    sink.open(s.run)
+    sink.write_history(s.history(0))  # ignored: scalars stay in Parquet
+    sink.write_histograms(s.histograms(0))
+    sink.close()
+    writer.add_scalar("after/removal", 3.5, global_step=7)  # still usable
+    writer.flush()
+    acc = _load(tmp_path / "tb")
+    assert set(acc.Tags()["histograms"]) == {
+        histogram_tag(layer, 0, signal, "")
+        for layer in s.run.focus_layers
+        for signal in ("output", "output_gradient")
+    }
+    assert [(e.step, e.value) for e in acc.Scalars("after/removal")] == [(7, 3.5)]
+    writer.close()
+
+
+def test_lightning_logger_experiment_is_used(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    loggers = pytest.importorskip("lightning.pytorch.loggers")
+    logger = loggers.TensorBoardLogger(str(tmp_path), name="lt", version=0)
+    s = synth()
+    sink = TensorBoardSink(logger)
+    sink.open(s.run)
+    sink.write_histograms(s.histograms(3))
+    sink.close()
+    logger.experiment.add_scalar("still/open", 1.0, 0)
+    logger.experiment.flush()
+    acc = _load(Path(logger.log_dir))
+    assert len(acc.Tags()["histograms"]) == 2 * len(s.run.focus_layers)
+    assert acc.Scalars("still/open")[0].value == 1.0
+
+
+def test_tensorboard_sink_rejects_other_objects() -> None:
+    with pytest.raises(TypeError, match="SummaryWriter"):
+        TensorBoardSink(object())
