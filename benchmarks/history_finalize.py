@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import psutil
 import pyarrow as pa
-from ti_core.sink import LayerInfo, RunInfo
-from ti_schema import DEFAULT_METRICS, history_schema
 
+from ti_core.sink import LayerInfo, RunInfo
 from ti_io import DirectorySink, HistoryConfig
+from ti_schema import DEFAULT_METRICS, history_schema
 
 LAYERS = 50
 SIGNALS = ("output", "output_gradient")
@@ -106,9 +106,11 @@ def run(rows: int = 900_000, *, directory: str | None = None) -> dict[str, Any]:
 
         sampler = threading.Thread(target=sample_rss, daemon=True)
         sampler.start()
+        cpu = process.cpu_times()
         start = time.perf_counter()
         sink.close()
         seconds = time.perf_counter() - start
+        cpu_after = process.cpu_times()
         done.set()
         sampler.join()
         peak = max(peak, process.memory_info().rss)
@@ -119,6 +121,9 @@ def run(rows: int = 900_000, *, directory: str | None = None) -> dict[str, Any]:
         "rows": written,
         "samples": samples,
         "finalize_s": round(seconds, 3),
+        "finalize_cpu_s": round(
+            (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system), 3
+        ),
         "peak_rss_growth_mb": round((peak - baseline) / 2**20, 1),
         "baseline_rss_mb": round(baseline / 2**20, 1),
         "history_parquet_mb": round(history_bytes / 2**20, 2),

@@ -29,7 +29,15 @@ from ti_core import (
     inject_observer,
     remove_observer,
 )
-from ti_io import DirectorySink, HistoryConfig, TensorBoardSink, histogram_tag, scan_history
+from ti_io import (
+    DirectorySink,
+    HistoryConfig,
+    TensorBoardSink,
+    consolidate,
+    histogram_tag,
+    scan_history,
+)
+from ti_io.cli import main as cli_main
 from ti_schema import DEFAULT_METRICS
 from ti_schema.testing import assert_artifact_dir_conforms, load_strict_json
 from ti_schema.validate import validate_history
@@ -80,10 +88,7 @@ def test_training_run_writes_every_artifact_with_exact_rows(tmp_path: Path) -> N
     records = load_strict_json(out / "result.json")
     assert [r["layer"] for r in records] == leaves
     assert {t["signal"] for r in records for t in r["tensors"]} == {"output", "output_gradient"}
-    ok = subprocess.run(
-        [sys.executable, "-m", "ti_io.cli", "validate", str(out)], capture_output=True, text=True
-    )
-    assert (ok.returncode, ok.stdout.strip()) == (0, "ok")
+    assert cli_main(["validate", str(out)]) == 0
 
 
 def _numpy_reference(values: list[float | None], window: int) -> dict[str, Any]:
@@ -164,6 +169,12 @@ def test_catalog_and_parts_are_readable_while_training(tmp_path: Path) -> None:
     assert scan_history(tmp_path).select(pl.len()).collect().item() == (
         6 * len(leaf_names(model)) * 2 * METRICS
     )
+
+
+def _events(run_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0})
+    acc.Reload()
+    return acc
 
 
 def test_focus_layers_in_tensorboard(tmp_path: Path) -> None:
@@ -299,8 +310,6 @@ def test_sigkill_leaves_complete_parts_and_consolidate_recovers_them(tmp_path: P
     assert_artifact_dir_conforms(out)
     records = load_strict_json(out / "result.json")
     assert [r["layer"] for r in records] == ["0", "1", "2", "3"]  # catalog written at attach
-    again = subprocess.run([*command, "consolidate", str(out)], capture_output=True, text=True)
-    assert again.returncode == 0
-    assert "already consolidated" in again.stdout
+    assert consolidate(out).already_done  # idempotent
     info = json.loads(history.schema.metadata[b"ti"])
     assert info["producer"].startswith("ti-core")

@@ -402,3 +402,32 @@ def test_tensor_above_2_pow_24_has_exact_quartiles_end_to_end() -> None:
         assert got[metric] == pytest.approx(float(np.percentile(a, q)), rel=1e-6, abs=1e-7)
     assert got["zero_fraction"] == pytest.approx(float(np.mean(a == 0)), rel=1e-12)
     assert got["mean"] == pytest.approx(float(a.mean()), rel=1e-5, abs=1e-7)
+
+
+def test_keyboard_interrupt_in_a_forward_does_not_stop_sampling() -> None:
+    class Interrupted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.interrupt = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            if self.interrupt:
+                raise KeyboardInterrupt  # skips torch's always-called forward hooks
+            return y
+
+    model = Interrupted()
+    before = hook_state(model)
+    sink = MemorySink()
+    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(1, 2))
+    model.interrupt = False
+    for _ in range(2):
+        model(torch.randn(1, 2)).sum().backward()
+    remove_observer(model)
+    assert hook_state(model) == before
+    table = sink.table()
+    assert sorted({(r["sample_id"], r["forward_index"]) for r in rows(table)}) == [(1, 1), (2, 2)]
+    assert len(rows(table, layer="lin", signal="output_gradient", metric="mean")) == 2

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -111,3 +114,26 @@ def test_entry_points_name_the_policies() -> None:
         policy = found[name].load()()
         assert isinstance(policy, RankPolicy)
         assert policy.select().observe
+
+
+def test_resolving_a_policy_does_not_import_polars() -> None:
+    # Every rank loads the policy; only readers need Polars, so training ranks skip its import.
+    code = (
+        "import sys\n"
+        "from importlib.metadata import entry_points\n"
+        "policy = {ep.name: ep for ep in entry_points(group='ti.rank_policies')}['rank0'].load()\n"
+        "policy().select()\n"
+        "assert 'polars' not in sys.modules, 'polars was imported'\n"
+        "import ti_dist\n"
+        "assert ti_dist.scan_ranks.__module__ == 'ti_dist.reading'\n"
+        "assert 'polars' in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_unknown_attribute() -> None:
+    import ti_dist
+
+    with pytest.raises(AttributeError, match="no attribute 'scan_rank'"):
+        ti_dist.scan_rank  # noqa: B018

@@ -356,9 +356,12 @@ def test_backpressure_blocks_instead_of_dropping(
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=1))
     sink.open(s.run)
     chunks = ti_io.parts.QUEUE_CHUNKS + 3
-    producer = threading.Thread(
-        target=lambda: [sink.write_history(s.history(i)) for i in range(chunks)]
-    )
+
+    def train() -> None:
+        for i in range(chunks):
+            sink.write_history(s.history(i))
+
+    producer = threading.Thread(target=train)
     producer.start()
     producer.join(timeout=0.5)
     assert producer.is_alive()  # the queue is full and the writer is stuck: training waits

@@ -12,8 +12,11 @@ is replaced by an exact ``numpy.partition`` of the finite entries.
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ti_core._selection import QUANTILES, quantile_positions
 
@@ -101,8 +104,9 @@ def _bands(a: np.ndarray) -> list[_Band] | None:
     return out
 
 
-def reduce_large(a: np.ndarray) -> np.ndarray:
-    """Default-profile row (see ``ROW``) of a 1-D float32/float64 array, exact."""
+def reduce_large(a: np.ndarray) -> tuple[np.ndarray, Moments]:
+    """Default-profile row (see ``ROW``) of a 1-D float32/float64 array, exact, and the
+    moments a histogram of the same array needs."""
     n = a.size
     bands = _bands(a)
     # Shifting by a central value before summing keeps the one-pass variance exact in
@@ -135,8 +139,12 @@ def reduce_large(a: np.ndarray) -> np.ndarray:
     nf = n - nonfinite
     row = np.full(ROW, math.nan)
     row[7:] = (zeros / n, nonfinite / n, nf)
+    # sum(x) and sum(x^2) from the shifted sums: every term but the small 2 k s1 is positive.
+    moments = Moments(
+        lo_all, hi_all, nf, nonfinite, s1 + nf * shift, s2 + 2 * shift * s1 + nf * shift * shift
+    )
     if nf == 0:
-        return row
+        return row, moments
     mean_shifted = s1 / nf
     var = s2 / nf - mean_shifted * mean_shifted
     row[0] = shift + mean_shifted
@@ -146,7 +154,7 @@ def reduce_large(a: np.ndarray) -> np.ndarray:
     row[1] = math.sqrt(max(var, 0.0))
     row[2], row[3] = lo_all, hi_all
     row[4:7] = _quartiles(a, nf, bands)
-    return row
+    return row, moments
 
 
 def _centered_squares(a: np.ndarray, mean: float, has_nonfinite: bool) -> float:
@@ -195,12 +203,24 @@ HIST_HEAD = 6
 """min, max, num, sum, sum_squares, nonfinite count; then edges (bins + 1), counts (bins)."""
 
 
-def histogram_large(a: np.ndarray, bins: int) -> np.ndarray:
-    """Histogram row of a 1-D float32/float64 array: the same edges and bucket rule as
-    ``numpy.histogram(finite, bins=edges)``, with ``edges = linspace(min, max, bins + 1)``."""
+@dataclass(frozen=True)
+class Moments:
+    """What a reduction pass learned that a histogram of the same array needs."""
+
+    lo: float
+    hi: float
+    finite: int
+    nonfinite: int
+    total: float
+    squares: float
+
+
+def _scan_moments(a: np.ndarray) -> Moments:
     n = a.size
     lo_all, hi_all = math.inf, -math.inf
     nonfinite = 0
+    s1 = s2 = 0.0
+    buf = np.empty(min(_BLOCK, n), dtype=np.float64)
     for start in range(0, n, _BLOCK):
         c = a[start : start + _BLOCK]
         cmin, cmax = float(c.min()), float(c.max())
@@ -211,50 +231,104 @@ def histogram_large(a: np.ndarray, bins: int) -> np.ndarray:
                 continue
             cmin, cmax = float(c.min()), float(c.max())
         lo_all, hi_all = min(lo_all, cmin), max(hi_all, cmax)
-    row = np.zeros(HIST_HEAD + 2 * bins + 1)
-    nf = n - nonfinite
-    row[:HIST_HEAD] = (lo_all, hi_all, nf, 0.0, 0.0, nonfinite)
-    if nf == 0:
-        return row
-    edges = np.linspace(lo_all, hi_all, bins + 1)
-    row[HIST_HEAD : HIST_HEAD + bins + 1] = edges
-    width = hi_all - lo_all
-    # Buckets are estimated in the array's own precision (float32 halves the memory traffic)
-    # and every entry whose estimate lies within ``eps`` of an interior edge is re-bucketed
-    # exactly against the float64 edges, as numpy.histogram would.
-    f32 = a.dtype == np.float32 and width < float(np.finfo(np.float32).max)
-    work = np.dtype(np.float32 if f32 else np.float64)
-    norm = work.type(bins / width) if width > 0 and math.isfinite(bins / width) else None
-    lo_w = work.type(lo_all)
-    eps = max(1e-4, bins * 1e-6)
-    counts = np.zeros(bins, dtype=np.int64)
-    s1 = s2 = 0.0
-    buf = np.empty(min(_BLOCK, n), dtype=np.float64)
-    for start in range(0, n, _BLOCK):
-        c = a[start : start + _BLOCK]
-        if nonfinite:
-            c = c[np.isfinite(c)]
         d = buf[: c.size]
         d[...] = c
         s1 += float(d.sum())
         s2 += float(np.einsum("i,i->", d, d))
-        if norm is None:
-            counts[-1] += c.size
+    return Moments(lo_all, hi_all, n - nonfinite, nonfinite, s1, s2)
+
+
+def histogram_large(a: np.ndarray, bins: int, known: Moments | None = None) -> np.ndarray:
+    """Histogram row of a 1-D float32/float64 array: the same edges and bucket rule as
+    ``numpy.histogram(finite, bins=edges)``, with ``edges = linspace(min, max, bins + 1)``.
+
+    ``known`` (from a reduction pass over the same values) saves the moments pass; it is
+    checked against the data as the buckets are filled, and recomputed if it does not fit.
+    """
+    m = known if known is not None else _scan_moments(a)
+    row = np.zeros(HIST_HEAD + 2 * bins + 1)
+    row[:HIST_HEAD] = (m.lo, m.hi, m.finite, m.total, m.squares, m.nonfinite)
+    if m.finite == 0:
+        return row
+    counts = _bucket_counts(a, bins, m)
+    if counts is None:  # ``known`` did not describe this array
+        return histogram_large(a, bins)
+    row[HIST_HEAD : HIST_HEAD + bins + 1] = np.linspace(m.lo, m.hi, bins + 1)
+    row[HIST_HEAD + bins + 1 :] = counts
+    return row
+
+
+def _bucket_counts(a: np.ndarray, bins: int, m: Moments) -> np.ndarray | None:
+    edges = np.linspace(m.lo, m.hi, bins + 1)
+    width = m.hi - m.lo
+    counts = np.zeros(bins, dtype=np.int64)
+    if not (width > 0 and math.isfinite(bins / width)):
+        counts[-1] = m.finite
+        return counts
+    # Buckets are estimated in the array's own precision (float32 halves the memory traffic):
+    # an entry is bucketed by truncating t -/+ eps, t = (x - min) * bins / width; where the two
+    # disagree it lies within eps of an interior edge and is re-bucketed exactly against the
+    # float64 edges, as numpy.histogram would. Truncation keeps entries at the minimum (t = 0)
+    # and clipping those at the maximum out of that slower path.
+    f32 = a.dtype == np.float32 and width < float(np.finfo(np.float32).max)
+    work = np.dtype(np.float32 if f32 else np.float64)
+    norm = work.type(bins / width)
+    lo_w = work.type(m.lo)
+    eps = work.type(max(1e-4, bins * 1e-6))
+    seen = 0
+    for start in range(0, a.size, _BLOCK):
+        c = a[start : start + _BLOCK]
+        if m.nonfinite:
+            c = c[np.isfinite(c)]
+        if c.size == 0:
             continue
+        if not (m.lo <= float(c.min()) and float(c.max()) <= m.hi):  # also catches NaN
+            return None
+        seen += c.size
         t = np.subtract(c, lo_w, dtype=work)
         t *= norm
+        below = (t - eps).astype(np.int32)
+        t += eps
         idx = t.astype(np.int32)
-        frac = t - idx
-        near = (frac < eps) | (frac > 1.0 - eps)
-        near &= (t > 0.5) & (t < bins - 0.5)
         np.minimum(idx, bins - 1, out=idx)
         counts += np.bincount(idx, minlength=bins)
-        suspects = np.flatnonzero(near)
+        suspects = np.flatnonzero(below != idx)
         if suspects.size:
-            exact = np.searchsorted(edges, d[suspects], "right") - 1
+            exact = np.searchsorted(edges, c[suspects].astype(np.float64), "right") - 1
             np.clip(exact, 0, bins - 1, out=exact)
             counts -= np.bincount(idx[suspects], minlength=bins)
             counts += np.bincount(exact, minlength=bins)
-    row[3], row[4] = s1, s2
-    row[HIST_HEAD + bins + 1 :] = counts
-    return row
+    if seen != m.finite:
+        return None
+    return counts
+
+
+_RECENT_MAX = 16
+_recent: dict[int, tuple[weakref.ref[torch.Tensor], int, int, Moments]] = {}
+"""Moments of the last large CPU tensors reduced, keyed by ``id``. An entry is used only for
+the same live tensor object with the same version counter and storage pointer, so a reduction
+followed by a histogram of the same snapshot reads the tensor once for the moments."""
+
+
+def remember(t: torch.Tensor, m: Moments) -> None:
+    """Record ``m`` as the moments of ``t``'s current values."""
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return
+    if len(_recent) >= _RECENT_MAX:
+        _recent.pop(next(iter(_recent)))
+    _recent[id(t)] = (weakref.ref(t), version, t.data_ptr(), m)
+
+
+def recall(t: torch.Tensor) -> Moments | None:
+    """The moments recorded for ``t`` if its values cannot have changed since."""
+    entry = _recent.get(id(t))
+    if entry is None:
+        return None
+    ref, version, ptr, m = entry
+    try:
+        same = ref() is t and t._version == version and t.data_ptr() == ptr
+    except RuntimeError:
+        same = False
+    return m if same else None

@@ -13,6 +13,7 @@ Every hook object pickles and deep-copies to an inert no-op, so ``copy.deepcopy(
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -318,7 +319,7 @@ class RootPreHook(_Hook):
         if torch.compiler.is_compiling():
             _root_enter_eager(self.observer)
         else:
-            self.observer.root_enter()
+            self.observer.root_enter(sys._getframe(1))
 
 
 class RootPostHook(_Hook):

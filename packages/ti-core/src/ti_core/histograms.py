@@ -68,7 +68,9 @@ def compute_histograms(tensors: Sequence[torch.Tensor], bins: int = 30) -> list[
                 results[i] = _empty(0)
                 continue
             if t.numel() > _LARGE and reducers.uses_numpy(t.device):
-                row = torch.from_numpy(_cpu_scan.histogram_large(_flat_float(t).numpy(), bins))
+                known = _cpu_scan.recall(t)
+                flat = _flat_float(t).numpy()
+                row = torch.from_numpy(_cpu_scan.histogram_large(flat, bins, known))
             else:
                 row = _device_row(t, bins)
             pending.setdefault(t.device, []).append((i, row))

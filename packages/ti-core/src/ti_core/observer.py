@@ -13,6 +13,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 import pyarrow as pa
@@ -60,7 +61,16 @@ REENTRANT_REASON: Final[str] = (
 
 class _ThreadState(threading.local):
     depth = 0
+    outer: FrameType | None = None
     sample: _Sample | None = None
+
+
+def _has_ancestor(frame: FrameType, target: FrameType | None) -> bool:
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 class _Sample:
@@ -170,12 +180,23 @@ class Observer:
 
     # ------------------------------------------------------------------ root boundary
 
-    def root_enter(self) -> None:
-        """Forward pre-hook of the root: decide whether this root forward is sampled."""
+    def root_enter(self, caller: FrameType | None = None) -> None:
+        """Forward pre-hook of the root: decide whether this root forward is sampled.
+
+        ``caller`` is the frame that runs the root's hooks; it tells a genuinely nested root call
+        from state left behind by a root forward that a BaseException (KeyboardInterrupt)
+        interrupted, which skips the always-called forward hook.
+        """
         local = self._local
         depth = local.depth
+        if depth and caller is not None and not _has_ancestor(caller, local.outer):
+            self._abandon(local)
+            depth = 0
         local.depth = depth + 1
-        if depth or self.closed or in_backward():
+        if depth:
+            return
+        local.outer = caller
+        if self.closed or in_backward():
             return
         index = next(self._counter)
         try:
@@ -197,11 +218,22 @@ class Observer:
         except Exception as error:
             self.errors.handle("sampling", error)
 
+    def _abandon(self, local: _ThreadState) -> None:
+        """Drop the state of an interrupted root forward of this thread."""
+        local.depth = 0
+        local.outer = None
+        if local.sample is not None:
+            local.sample = None
+            with self._lock:
+                self._active -= 1
+
     def root_exit(self, module: nn.Module, output: Any) -> None:
         """Forward hook of the root (also runs when the forward raised): emit the sample."""
         local = self._local
         if local.depth > 0:
             local.depth -= 1
+        if not local.depth:
+            local.outer = None
         sample = local.sample
         if sample is None:
             return

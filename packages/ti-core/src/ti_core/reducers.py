@@ -348,7 +348,9 @@ class _Pending:
 
     def add_large(self, i: int, t: torch.Tensor) -> None:
         if uses_numpy(t.device):
-            row = torch.from_numpy(_cpu_scan.reduce_large(_flat_float(t).numpy()))
+            values, moments = _cpu_scan.reduce_large(_flat_float(t).numpy())
+            _cpu_scan.remember(t, moments)
+            row = torch.from_numpy(values)
         else:
             row = _large_row_optimistic(_flat_float(t))
             self.retry.add(i)

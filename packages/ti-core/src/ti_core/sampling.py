@@ -8,6 +8,7 @@ forwards cost one call of it and nothing per module.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -42,11 +43,14 @@ class EveryNForwardsSampler:
     """Samples root forwards 0, n, 2n, ... (the first forward is always sampled)."""
 
     def __init__(self, n: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, int):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise TypeError(f"EveryNForwardsSampler(n=...) needs an int >= 1, got {n!r}")
-        if n < 1:
-            raise ValueError(f"EveryNForwardsSampler(n={n}) needs n >= 1 (n=1 samples every one)")
-        self.n = n
+        count = int(n)
+        if count < 1:
+            raise ValueError(
+                f"EveryNForwardsSampler(n={count}) needs n >= 1 (n=1 samples every forward)"
+            )
+        self.n: int = count
 
     def should_sample(self, forward_index: int) -> bool:
         return forward_index % self.n == 0

@@ -2,14 +2,34 @@
 
 ``rank_policy="rank0"`` (the default of ``ti_core.inject_observer``) and ``rank_policy="all"``
 resolve to :class:`Rank0Only` and :class:`AllRanks` through the ``ti.rank_policies`` entry points.
+The readers (``scan_ranks``, ``compare_ranks``, ...) import Polars on first use, so resolving a
+policy on a training rank does not.
 """
 
 from __future__ import annotations
 
-from ti_dist.compare import compare_ranks
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ti_dist.detect import RankDetectionError, RankInfo, detect_rank
 from ti_dist.policies import AllRanks, Rank0Only, Ranks, rank_subdir
-from ti_dist.reading import HistorySource, collect_streaming, find_history_sources, scan_ranks
+
+if TYPE_CHECKING:
+    from ti_dist.compare import compare_ranks
+    from ti_dist.reading import (
+        HistorySource,
+        collect_streaming,
+        find_history_sources,
+        scan_ranks,
+    )
+
+_LAZY = {
+    "compare_ranks": "ti_dist.compare",
+    "HistorySource": "ti_dist.reading",
+    "collect_streaming": "ti_dist.reading",
+    "find_history_sources": "ti_dist.reading",
+    "scan_ranks": "ti_dist.reading",
+}
 
 __all__ = [
     "AllRanks",
@@ -25,3 +45,12 @@ __all__ = [
     "rank_subdir",
     "scan_ranks",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ti_dist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

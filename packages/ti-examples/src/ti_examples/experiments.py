@@ -55,9 +55,9 @@ def run_problem(
     first_faulty = onset_sample(series)
     problem_dir = output_dir / problem.name
     csv_path = problem_dir / "comparison.csv"
-    series.with_columns(problem=pl.lit(problem.name)).select(
-        "problem", *series.columns
-    ).write_csv(csv_path)
+    series.with_columns(problem=pl.lit(problem.name)).select("problem", *series.columns).write_csv(
+        csv_path
+    )
     plot = plot_comparison(
         series,
         problem.panels,

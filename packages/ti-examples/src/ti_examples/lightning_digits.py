@@ -42,7 +42,9 @@ class DigitsClassifier(L.LightningModule):
         return out
 
     # Steps call self(x) so every batch is one root forward of the observed module.
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
         self.log("train_loss", loss, on_step=True, on_epoch=False)

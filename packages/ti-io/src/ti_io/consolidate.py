@@ -64,19 +64,24 @@ def _stream_parts(
         with pq.ParquetWriter(tmp, schema, compression=FINAL_COMPRESSION) as writer:
             pending: list[pa.Table] = []
             pending_rows = 0
+
+            def flush() -> None:
+                nonlocal rows, pending, pending_rows
+                group = pa.concat_tables(pending)
+                if digest is not None:
+                    digest.add(group)
+                writer.write_table(group, row_group_size=ROW_GROUP_ROWS)
+                rows += pending_rows
+                pending, pending_rows = [], 0
+
             for part in parts:
                 table = pq.read_table(part).cast(schema)
-                if digest is not None:
-                    digest.add(table)
                 pending.append(table)
                 pending_rows += table.num_rows
                 if pending_rows >= ROW_GROUP_ROWS:
-                    writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
-                    rows += pending_rows
-                    pending, pending_rows = [], 0
+                    flush()
             if pending:
-                writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
-                rows += pending_rows
+                flush()
 
     publish_with(final, write)
     return rows

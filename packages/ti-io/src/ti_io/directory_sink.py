@@ -9,6 +9,7 @@ enqueue; ``close`` drains the writer and finalizes (see :mod:`ti_io.consolidate`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import weakref
@@ -251,7 +252,8 @@ class DirectorySink:
             self._drain(writer)
         finally:
             failures += writer.take_errors()
-        assert self._directory is not None and self._facts is not None
+        assert self._directory is not None
+        assert self._facts is not None
         try:
             finalize(self._directory, self._facts)
         except Exception as exc:
@@ -307,7 +309,5 @@ _live_sinks: weakref.WeakSet[DirectorySink] = weakref.WeakSet()
 @atexit.register
 def _flush_live_sinks() -> None:
     for sink in list(_live_sinks):
-        try:
+        with contextlib.suppress(Exception):  # exit path: nothing left to report to
             sink._flush_at_exit()
-        except Exception:
-            pass

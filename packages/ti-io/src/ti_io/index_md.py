@@ -2,9 +2,9 @@
 
 Module names are arbitrary strings (``/``, ``..``, newlines, Markdown, HTML). They never appear
 in Markdown prose: only inside fenced code blocks, and there as JSON string literals with
-non-ASCII and ``<>&`` escaped (:func:`literal`), which are also valid Python literals. A literal never
-contains a newline or starts a line, so it cannot close a fence or inject markup. Other
-variable text in prose goes through :func:`md_escape`.
+non-ASCII and ``<>&`` escaped (:func:`literal`), which are also valid Python literals. A
+literal never contains a newline or starts a line, so it cannot close a fence or inject
+markup. Other variable text in prose goes through :func:`md_escape`.
 """
 
 from __future__ import annotations

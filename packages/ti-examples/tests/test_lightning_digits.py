@@ -1,0 +1,47 @@
+"""Lightning on scikit-learn's digits: a real trainer, a real data set, a stated accuracy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("sklearn")
+
+from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
+    HISTOGRAMS,
+    SCALARS,
+    EventAccumulator,
+)
+from ti_schema.testing import assert_artifact_dir_conforms  # noqa: E402
+
+from ti_examples.lightning_digits import STATED_TEST_ACCURACY, run_lightning_digits  # noqa: E402
+
+
+@pytest.mark.slow
+def test_lightning_digits_reaches_its_accuracy_with_valid_artifacts(tmp_path: Path) -> None:
+    result = run_lightning_digits(tmp_path, epochs=10, sample_every=10)
+
+    # The docs state ~0.97 for these settings; the floor leaves room for library changes.
+    assert result.test_accuracy >= 0.9
+    assert STATED_TEST_ACCURACY >= 0.9
+    assert (result.train_size, result.test_size) == (1347, 450)
+
+    assert_artifact_dir_conforms(result.stats_dir)
+    history = pl.read_parquet(result.stats_dir / "history.parquet")
+    assert set(history["layer"].unique()) == {"net.0", "net.1", "net.2"}
+    # Training forwards are sampled in train mode; the test batches under trainer.test in eval.
+    modes = history.group_by("mode").agg(pl.col("grad_enabled").unique())
+    assert set(modes["mode"]) == {"train", "eval"}
+    eval_grad = modes.filter(pl.col("mode") == "eval")["grad_enabled"].item().to_list()
+    assert eval_grad == [False]
+    assert history.filter(pl.col("mode") == "eval")["signal"].unique().to_list() == ["output"]
+
+    # Our histograms went into Lightning's own logger, next to its scalars.
+    events = EventAccumulator(str(result.logger_dir), size_guidance={HISTOGRAMS: 0, SCALARS: 0})
+    events.Reload()
+    assert "train_loss" in events.Tags()[SCALARS]
+    histogram_tags = events.Tags()[HISTOGRAMS]
+    assert any("net.0" in tag for tag in histogram_tags), histogram_tags
