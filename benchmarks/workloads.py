@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported by build(), so run.py's parent process never loads it
+    import torch
+    from torch import nn
 
 LARGE_NUMEL = 16_777_217
 """2**24 + 1 float32 elements: odd, so the median is one order statistic; quartiles interpolate."""
@@ -68,6 +70,9 @@ def _train_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
 
 def build(name: str, device: str = "cpu") -> Workload:
     """Build workload ``name`` on ``device`` (deterministic: seeded weights and inputs)."""
+    import torch
+    from torch import nn
+
     torch.manual_seed(0)
     dev = torch.device(device)
     if name == "sequence":

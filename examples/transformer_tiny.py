@@ -9,9 +9,9 @@ import argparse
 from pathlib import Path
 
 import polars as pl
-from ti_io import scan_history
 
 from ti_examples.transformer_tiny import run_transformer_tiny
+from ti_io import scan_history
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -38,9 +38,8 @@ from ti_io import (
     scan_history,
 )
 from ti_io.cli import main as cli_main
-from ti_schema import DEFAULT_METRICS
+from ti_schema import DEFAULT_METRICS, validate_history
 from ti_schema.testing import assert_artifact_dir_conforms, load_strict_json
-from ti_schema.validate import validate_history
 
 METRICS = len(DEFAULT_METRICS)
 
@@ -313,3 +312,37 @@ def test_sigkill_leaves_complete_parts_and_consolidate_recovers_them(tmp_path: P
     assert consolidate(out).already_done  # idempotent
     info = json.loads(history.schema.metadata[b"ti"])
     assert info["producer"].startswith("ti-core")
+
+
+def test_exit_without_removal_keeps_every_row_for_consolidate(tmp_path: Path) -> None:
+    from ti_io.directory_sink import _flush_live_sinks
+
+    torch.manual_seed(6)
+    model = mlp(depth=2)
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=1000))
+    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    try:
+        train(model, steps=3)
+        _flush_live_sinks()  # what the interpreter-exit hook does when removal never comes
+        assert not (tmp_path / "history.parquet").exists()
+        done = consolidate(tmp_path)
+        assert done.history_rows == 3 * len(leaf_names(model)) * 2 * METRICS
+    finally:
+        remove_observer(model)  # the sink is already closed: removal only restores hooks
+    assert not has_observer(model)
+
+
+def test_history_benchmark_runs_at_small_scale() -> None:
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "history_finalize.py"
+    spec = importlib.util.spec_from_file_location("history_finalize", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.run(rows=9_000)
+    assert result["rows"] == 9_000
+    assert result["samples"] == 10
+    assert result["finalize_s"] > 0
+    assert result["peak_rss_growth_mb"] >= 0

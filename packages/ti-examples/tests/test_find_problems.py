@@ -13,13 +13,13 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from ti_io.cli import main as ti_main
-from ti_schema.testing import assert_artifact_dir_conforms
 
 from ti_examples.cli import main
 from ti_examples.experiments import ProblemResult
 from ti_examples.problems import PROBLEMS, VARIANTS
 from ti_examples.training import ExperimentConfig, make_batches, train
+from ti_io.cli import main as ti_main
+from ti_schema.testing import assert_artifact_dir_conforms
 
 # Small but long enough for every fault to develop: the fault starts at step 8 (after four
 # samples taken every 2 steps), and 16 faulty samples follow.
@@ -109,6 +109,7 @@ def test_inactive_relu(demo: tuple[Path, list[ProblemResult]]) -> None:
         zeros_before, zeros_after = split(series(frame, "act", "output", "zero_fraction"))
         grad_before, grad_after = split(series(frame, "fc1", "output_gradient", "zero_fraction"))
         assert zeros_before.max() < 0.9
+        assert grad_before.max() < 0.9
         if variant == "broken":
             assert np.all(zeros_after == 1.0)
             assert np.all(grad_after == 1.0), "no gradient reaches fc1 through a dead ReLU"

@@ -10,14 +10,14 @@ import pytest
 pytest.importorskip("lightning")
 pytest.importorskip("sklearn")
 
-from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import (
     HISTOGRAMS,
     SCALARS,
     EventAccumulator,
 )
-from ti_schema.testing import assert_artifact_dir_conforms  # noqa: E402
 
-from ti_examples.lightning_digits import STATED_TEST_ACCURACY, run_lightning_digits  # noqa: E402
+from ti_examples.lightning_digits import STATED_TEST_ACCURACY, run_lightning_digits
+from ti_schema.testing import assert_artifact_dir_conforms
 
 
 @pytest.mark.slow

@@ -9,9 +9,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from ti_schema.testing import assert_artifact_dir_conforms  # noqa: E402
-
-from ti_examples.transformer_tiny import run_transformer_tiny  # noqa: E402
+from ti_examples.transformer_tiny import run_transformer_tiny
+from ti_schema.testing import assert_artifact_dir_conforms
 
 
 @pytest.mark.slow

@@ -19,10 +19,14 @@ from _io_helpers import Synth, make_run
 
 import ti_io.parts
 from ti_io import ArtifactWriteError, DirectorySink, HistoryConfig, scan_history
-from ti_schema import DEFAULT_METRICS, SCHEMA_VERSION
-from ti_schema.result_json import validate_result_json
+from ti_schema import (
+    DEFAULT_METRICS,
+    SCHEMA_VERSION,
+    validate_histograms,
+    validate_history,
+    validate_result_json,
+)
 from ti_schema.testing import load_strict_json
-from ti_schema.validate import validate_histograms, validate_history
 
 
 def run_sink(

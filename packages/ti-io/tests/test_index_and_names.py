@@ -10,8 +10,7 @@ from _io_helpers import Synth, make_run
 
 from ti_io import DirectorySink, HistoryConfig
 from ti_io.index_md import md_escape
-from ti_schema import METRIC_DEFINITIONS, SCHEMA_VERSION
-from ti_schema.result_json import validate_result_json
+from ti_schema import METRIC_DEFINITIONS, SCHEMA_VERSION, validate_result_json
 from ti_schema.testing import load_strict_json
 
 NASTY = (

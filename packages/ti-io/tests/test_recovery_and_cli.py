@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,8 +20,7 @@ from ti_io import (
     scan_history,
 )
 from ti_io.cli import main
-from ti_schema import DEFAULT_METRICS
-from ti_schema.result_json import validate_result_json
+from ti_schema import DEFAULT_METRICS, validate_result_json
 from ti_schema.testing import load_strict_json
 
 
@@ -122,3 +122,27 @@ def test_cli_escapes_names_in_the_terminal(
     assert "\x1b" not in out
     assert "evil\\n\\u001b[31mred" in out
     assert "(root)" in out
+
+
+def test_finalize_streams_parts_into_bounded_row_groups(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    consolidate_module = sys.modules["ti_io.consolidate"]
+    monkeypatch.setattr(consolidate_module, "ROW_GROUP_ROWS", 100)
+    s = synth(empty_every=5)
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=36, window=2))
+    sink.open(s.run)
+    for i in range(20):
+        sink.write_history(s.history(i))
+    sink.flush()
+    parts = sorted((tmp_path / "history.parts").glob("part-*.parquet"))
+    in_parts = pa.concat_tables(pq.read_table(p) for p in parts)
+    sink.close()
+    final = pq.ParquetFile(tmp_path / "history.parquet")
+    sizes = [final.metadata.row_group(i).num_rows for i in range(final.num_row_groups)]
+    assert len(sizes) > 1
+    assert max(sizes) <= 100
+    assert final.read().equals(in_parts)  # same rows, same order as the parts

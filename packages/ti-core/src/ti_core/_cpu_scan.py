@@ -199,6 +199,47 @@ def _lerp(a: float, b: float, t: float) -> float:
     return b - diff * (1.0 - t) if t >= 0.5 else a + diff * t
 
 
+def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """Default-profile rows (see ``ROW``) of the rows of ``x`` (float64, NaN-padded; the
+    unpadded lengths are ``numel``), one small tensor per row."""
+    k, width = x.shape
+    out = np.empty((k, ROW))
+    with np.errstate(all="ignore"):  # rows without finite entries give NaN, masked later
+        finite = np.isfinite(x)
+        if finite.all():  # the common case: no NaN/inf and no padding
+            nf = np.full(k, float(width))
+            mean = x.sum(axis=1) / width
+            d = x - mean[:, None]
+            key = x
+        else:
+            nf = np.count_nonzero(finite, axis=1).astype(np.float64)
+            mean = np.where(finite, x, 0.0).sum(axis=1) / nf
+            d = np.where(finite, x - mean[:, None], 0.0)
+            key = np.where(finite, x, math.inf)
+        out[:, 0] = mean
+        out[:, 1] = np.sqrt(np.einsum("ij,ij->i", d, d) / nf)
+        ordered = np.sort(key, axis=1)  # numpy's SIMD sort; rows are small
+        last = np.maximum(nf - 1.0, 0.0)
+        ranks = [last]
+        fracs = []
+        for q in QUANTILES:
+            pos = q * last
+            lo = np.floor(pos)
+            ranks += [lo, np.minimum(lo + 1.0, last)]
+            fracs.append(pos - lo)
+        picked = np.take_along_axis(ordered, np.stack(ranks, axis=1).astype(np.intp), axis=1)
+        out[:, 2] = ordered[:, 0]
+        out[:, 3] = picked[:, 0]
+        for j, t in enumerate(fracs):
+            a, b = picked[:, 1 + 2 * j], picked[:, 2 + 2 * j]
+            diff = b - a
+            out[:, 4 + j] = np.where(t >= 0.5, b - diff * (1.0 - t), a + diff * t)
+        out[:, 7] = np.count_nonzero(x == 0, axis=1) / numel
+        out[:, 8] = (numel - nf) / numel
+        out[:, 9] = nf
+    return out
+
+
 HIST_HEAD = 6
 """min, max, num, sum, sum_squares, nonfinite count; then edges (bins + 1), counts (bins)."""
 

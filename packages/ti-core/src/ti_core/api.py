@@ -249,8 +249,8 @@ def remove_observer(model: nn.Module) -> None:
         failures = observer.detach()
     finally:
         del model.__dict__[ATTRIBUTE]
-    for error in failures:
-        observer.errors.handle("sink close", error)
+    for sink, error in failures:
+        observer.sink_failed(sink, "closing", error)
 
 
 @contextmanager

@@ -26,6 +26,15 @@ class TelemetryWarning(RuntimeWarning):
     """A measurement failed; training continued (``error_policy="warn"``)."""
 
 
+MEASUREMENT_CONSEQUENCE: Final[str] = (
+    "the affected measurements are recorded as nulls with this reason"
+)
+SINK_CONSEQUENCE: Final[str] = (
+    "this sink's records that could not be written are lost (the error above names the path "
+    "and what was lost)"
+)
+
+
 class ErrorPolicy:
     """Applies ``warn`` / ``ignore`` / ``raise`` to failures inside the observer.
 
@@ -39,28 +48,40 @@ class ErrorPolicy:
                 f"error_policy={name!r} is not known; use one of {', '.join(ERROR_POLICIES)}"
             )
         self.name = name
-        self._seen: set[tuple[str, str]] = set()
+        self._seen: set[tuple[object, str]] = set()
         self._lock = threading.Lock()
 
     @property
     def raises(self) -> bool:
         return self.name == "raise"
 
-    def handle(self, stage: str, error: BaseException) -> None:
-        """Report ``error`` raised while doing ``stage``; re-raise it under ``raise``."""
+    def handle(
+        self,
+        stage: str,
+        error: BaseException,
+        *,
+        key: object = None,
+        consequence: str = MEASUREMENT_CONSEQUENCE,
+    ) -> None:
+        """Report ``error`` raised while doing ``stage``; re-raise it under ``raise``.
+
+        ``warn`` reports once per ``(key, exception type)``; ``key`` defaults to ``stage``
+        (e.g. one key per sink, so its failed writes and its failed close warn once together).
+        ``consequence`` says what the failure cost.
+        """
         if self.name == "raise":
             raise error
         if self.name == "ignore":
             return
-        kind = (stage, type(error).__name__)
+        kind = (stage if key is None else key, type(error).__name__)
         with self._lock:
             if kind in self._seen:
                 return
             self._seen.add(kind)
         warnings.warn(
             f"ti-core: {stage} failed ({type(error).__name__}: {error}); training continues and "
-            "the affected measurements are recorded as nulls with this reason. Further failures "
-            "of this kind are not reported again (error_policy='warn').",
+            f"{consequence}. Further failures of this kind are not reported again "
+            "(error_policy='warn').",
             TelemetryWarning,
             stacklevel=2,
         )

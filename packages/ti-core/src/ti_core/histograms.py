@@ -67,7 +67,7 @@ def compute_histograms(tensors: Sequence[torch.Tensor], bins: int = 30) -> list[
             if t.numel() == 0 or unsupported_reason(t) is not None:
                 results[i] = _empty(0)
                 continue
-            if t.numel() > _LARGE and reducers.uses_numpy(t.device):
+            if reducers.uses_numpy(t.device):
                 known = _cpu_scan.recall(t)
                 flat = _flat_float(t).numpy()
                 row = torch.from_numpy(_cpu_scan.histogram_large(flat, bins, known))
@@ -93,10 +93,6 @@ def _empty(nonfinite: int) -> HistogramData:
         sum_squares=0.0,
         nonfinite_count=nonfinite,
     )
-
-
-_LARGE = 1 << 16
-"""CPU tensors with more entries take the cache-blocked numpy pass."""
 
 
 def _flat_float(t: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from ti_core.capture import (
     tensor_leaves,
 )
 from ti_core.context import dtype_name, in_backward, in_reentrant_checkpoint, now_us
-from ti_core.errors import ErrorPolicy
+from ti_core.errors import SINK_CONSEQUENCE, ErrorPolicy
 from ti_core.records import (
     Entry,
     RunColumns,
@@ -144,7 +144,7 @@ class Observer:
             root.register_forward_hook(RootPostHook(self), always_call=True),
         ]
 
-    def detach(self) -> list[BaseException]:
+    def detach(self) -> list[tuple[Sink, BaseException]]:
         """Remove every hook and override, close every sink once; return close errors."""
         with self._lock:
             self.closed = True
@@ -152,13 +152,13 @@ class Observer:
                 handle.remove()
             self._root_handles = []
             self._uninstall_locked()
-        failures: list[BaseException] = []
+        failures: list[tuple[Sink, BaseException]] = []
         with self._emit_lock:
             for sink in self._sinks:
                 try:
                     sink.close()
                 except Exception as error:
-                    failures.append(error)
+                    failures.append((sink, error))
         return failures
 
     def _install_locked(self) -> None:
@@ -367,7 +367,17 @@ class Observer:
                     else:
                         sink.write_histograms(batch)
                 except Exception as error:
-                    self.errors.handle(f"{type(sink).__name__}.write_{kind}", error)
+                    self.sink_failed(sink, "writing to", error)
+
+    def sink_failed(self, sink: Sink, action: str, error: BaseException) -> None:
+        """One sink's write or close failed: under ``warn``, one warning per sink and error
+        type for the whole run (a broken directory fails every later write and the close)."""
+        self.errors.handle(
+            f"{action} {type(sink).__name__}",
+            error,
+            key=("sink", id(sink)),
+            consequence=SINK_CONSEQUENCE,
+        )
 
 
 __all__ = ["ATTRIBUTE", "Observer", "dtype_name"]

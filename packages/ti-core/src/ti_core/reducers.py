@@ -432,19 +432,34 @@ def _batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torc
     Each part holds tensors of one shape and dtype; the parts become the rows of one
     NaN-padded float64 matrix (padding is neither finite nor zero).
     """
-    f64 = torch.float64
-    widths = [parts_[0].numel() for parts_ in parts]
+    widths = [part[0].numel() for part in parts]
     width = max(widths)
+    lengths = [w for part, w in zip(parts, widths, strict=True) for _ in part]
+    if uses_numpy(device):
+        x = np.empty((len(lengths), width))
+        row = 0
+        for part, w in zip(parts, widths, strict=True):
+            block = torch.stack(part).detach().reshape(len(part), w)
+            if block.dtype == torch.bfloat16:  # numpy has no bfloat16
+                block = block.float()
+            x[row : row + len(part), :w] = block.numpy()
+            x[row : row + len(part), w:] = math.nan
+            row += len(part)
+        return torch.from_numpy(_cpu_scan.batched_rows(x, np.asarray(lengths, dtype=np.float64)))
     blocks = []
-    lengths: list[int] = []
     for part, w in zip(parts, widths, strict=True):
-        block = torch.stack(part).reshape(len(part), w).to(f64)
+        block = torch.stack(part).detach().reshape(len(part), w).to(torch.float64)
         if w < width:
             block = torch.nn.functional.pad(block, (0, width - w), value=math.nan)
         blocks.append(block)
-        lengths += [w] * len(part)
-    x = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-    numel = torch.tensor(lengths, dtype=f64).to(device, non_blocking=True)
+    x_dev = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    numel = torch.tensor(lengths, dtype=torch.float64).to(device, non_blocking=True)
+    return _batched_rows_torch(x_dev, numel)
+
+
+def _batched_rows_torch(x: torch.Tensor, numel: torch.Tensor) -> torch.Tensor:
+    """:func:`_cpu_scan.batched_rows` in torch, on ``x``'s device (no host synchronization)."""
+    f64 = torch.float64
     finite = torch.isfinite(x)
     nf = finite.sum(1).to(f64)
     zeros = (x == 0).sum(1).to(f64)
@@ -452,11 +467,7 @@ def _batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torc
     mean = xf.sum(1) / nf
     d = torch.where(finite, x - mean[:, None], 0.0)
     std = torch.sqrt((d * d).sum(1) / nf)
-    key = torch.where(finite, x, math.inf)
-    if uses_numpy(key.device):
-        ordered = torch.from_numpy(np.sort(key.numpy(), axis=1))  # SIMD sort, no indices
-    else:
-        ordered = key.sort(dim=1).values
+    ordered = torch.where(finite, x, math.inf).sort(dim=1).values
     last = (nf - 1).clamp(min=0)
     ranks = [last]
     fracs = []

@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import polars as pl
-from ti_io import scan_history
 
-from ti_examples.problems import VARIANTS, Panel
+from ti_examples.problems import VARIANTS, Panel, Variant
+from ti_io import scan_history
 
 SERIES_COLUMNS = (
     "variant",
@@ -67,7 +67,7 @@ def run_series(run_dir: Path, panels: Sequence[Panel]) -> pl.DataFrame:
 
 
 def comparison_frame(
-    run_dirs: Mapping[str, Path], panels: Sequence[Panel], onset_step: int
+    run_dirs: Mapping[Variant, Path], panels: Sequence[Panel], onset_step: int
 ) -> pl.DataFrame:
     """The evidence series of every variant, with ``after_onset`` marking faulty forwards."""
     frames = [

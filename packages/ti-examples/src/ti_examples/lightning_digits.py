@@ -15,21 +15,22 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning as L
 import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
-from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
-from ti_io import TensorBoardSink
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
+from ti_io import TensorBoardSink
 
 STATED_TEST_ACCURACY = 0.95
 """The test accuracy the default settings reach (measured ~0.97; see docs/research-workflow.md)."""
 
 
-class DigitsClassifier(L.LightningModule):
+class DigitsClassifier(LightningModule):
     """``net.0`` Linear(64, 128) -> ``net.1`` ReLU -> ``net.2`` Linear(128, 10)."""
 
     def __init__(self, lr: float = 1e-2) -> None:
@@ -110,7 +111,7 @@ def run_lightning_digits(
     logger). Test batches run under the observer too, so the history holds ``eval`` rows.
     """
     output_dir = Path(output_dir)
-    L.seed_everything(seed, verbose=False)
+    seed_everything(seed, verbose=False)
     train, test = digits_loaders(seed, batch_size)
     model = DigitsClassifier()
     logger = TensorBoardLogger(save_dir=output_dir, name="lightning", version=0)
@@ -123,7 +124,7 @@ def run_lightning_digits(
     )
     try:
         with _quiet_lightning():
-            trainer = L.Trainer(
+            trainer = Trainer(
                 max_epochs=epochs,
                 accelerator="cpu",
                 devices=1,

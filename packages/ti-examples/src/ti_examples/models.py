@@ -35,7 +35,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "norm"):
             x = self.norm(x)
-        return self.fc2(self.act(self.fc1(x)))
+        out: torch.Tensor = self.fc2(self.act(self.fc1(x)))
+        return out
 
 
 class BatchStandardize(nn.Module):
@@ -73,7 +74,8 @@ class StandardizedMLP(nn.Module):
         self.fc2 = nn.Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(self.standardize(x))))
+        out: torch.Tensor = self.fc2(self.act(self.fc1(self.standardize(x))))
+        return out
 
 
 class FeatureBankNet(nn.Module):

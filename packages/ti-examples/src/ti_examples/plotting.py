@@ -9,11 +9,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import polars as pl
 
-from ti_examples.problems import VARIANTS, Panel  # noqa: E402
+from ti_examples.problems import VARIANTS, Panel
 
 # Baseline is drawn wide and pale underneath, fixed dashed on top: where the two coincide
 # (a fix that restores the baseline exactly) both stay visible.
@@ -52,7 +52,7 @@ def plot_comparison(
                 continue
             x = series["sample_id"].to_numpy()
             y = series["value"].cast(pl.Float64).fill_null(np.nan).to_numpy()
-            ax.plot(x, y, label=variant, markersize=4, **STYLES[variant])  # type: ignore[arg-type]
+            ax.plot(x, y, label=variant, markersize=4, **STYLES[variant])
             missing = x[np.isnan(y)]
             if missing.size:
                 gaps.append(f"{variant}: no value at samples {_ranges(missing)}")

@@ -62,6 +62,7 @@ class Problem(ABC):
 
     def start_fault(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Introduce the fault; called once, before the onset step, in broken and fixed runs."""
+        return None
 
     def inputs(self, x: torch.Tensor, *, faulty: bool) -> torch.Tensor:
         """The inputs the model sees; ``faulty`` is true from the onset step on."""
@@ -69,6 +70,7 @@ class Problem(ABC):
 
     def before_step(self, model: nn.Module, variant: Variant) -> None:
         """Runs between ``backward`` and ``optimizer.step`` (for example gradient clipping)."""
+        return None
 
 
 class InactiveRelu(Problem):

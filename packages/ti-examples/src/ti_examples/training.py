@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
 from torch import nn
 
+from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
 from ti_examples.problems import IN_FEATURES, Problem, Variant
 
 HEALTHY_SAMPLES = 4
@@ -78,7 +78,7 @@ def train(
         optimizer.zero_grad()
         prediction = model(problem.inputs(x, faulty=faulty))
         loss = nn.functional.mse_loss(prediction, y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         problem.before_step(model, variant)
         optimizer.step()
         losses.append(float(loss.detach()))

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
 from torch import nn
+
+from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
 
 VOCAB_SIZE = 64
 SEQUENCE_LENGTH = 16
@@ -51,7 +52,6 @@ def build_model(seed: int = 0) -> nn.Module:
         use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
-        loss_type="ForCausalLM",
     )
     model: nn.Module = GPT2LMHeadModel(config)
     return model

@@ -126,9 +126,12 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _validation_problems(directory: Path) -> list[str]:
-    from ti_schema.errors import SchemaMismatchError
-    from ti_schema.result_json import result_json_problems
-    from ti_schema.validate import validate_histograms, validate_history
+    from ti_schema import (
+        SchemaMismatchError,
+        validate_histograms,
+        validate_history,
+        validate_result_json,
+    )
 
     problems: list[str] = []
 
@@ -169,7 +172,10 @@ def _validation_problems(directory: Path) -> list[str]:
     except ValueError as exc:
         problems.append(f"{result}: not strict JSON ({exc})")
     else:
-        problems.extend(f"{result}: {m}" for m in result_json_problems(data))
+        try:
+            validate_result_json(data)
+        except SchemaMismatchError as error:
+            problems.extend(f"{result}: {m}" for m in error.mismatches)
     if not (directory / INDEX_FILE).is_file():
         problems.append(f"{directory / INDEX_FILE}: missing")
     return problems

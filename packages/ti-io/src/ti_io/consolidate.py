@@ -33,6 +33,7 @@ from ti_io.layout import (
     publish_with,
     retire_dir,
 )
+from ti_io.parts import dictionary_columns
 from ti_io.result_json import build_records, write_result_json
 from ti_schema import histogram_schema, history_schema
 
@@ -61,7 +62,12 @@ def _stream_parts(
 
     def write(tmp: Path) -> None:
         nonlocal rows
-        with pq.ParquetWriter(tmp, schema, compression=FINAL_COMPRESSION) as writer:
+        with pq.ParquetWriter(
+            tmp,
+            schema,
+            compression=FINAL_COMPRESSION,
+            use_dictionary=dictionary_columns(schema),
+        ) as writer:
             pending: list[pa.Table] = []
             pending_rows = 0
 
@@ -75,7 +81,9 @@ def _stream_parts(
                 pending, pending_rows = [], 0
 
             for part in parts:
-                table = pq.read_table(part).cast(schema)
+                # ParquetFile.read: about half the CPU of pq.read_table for small files.
+                with pq.ParquetFile(part) as source:
+                    table = source.read(use_threads=False).cast(schema)
                 pending.append(table)
                 pending_rows += table.num_rows
                 if pending_rows >= ROW_GROUP_ROWS:

@@ -19,6 +19,16 @@ from ti_io.result_json import GROUP_KEYS, statistic_exprs
 
 _KEYS: Final[list[str]] = list(GROUP_KEYS)
 _UNAVAILABLE_LINES: Final[int] = 40
+_NEEDED: Final[list[str]] = [
+    *_KEYS,
+    "sample_id",
+    "value",
+    "unavailable_reason",
+    "shape",
+    "dtype",
+    "module_type",
+    "timestamp",
+]
 
 
 class HistoryDigest:
@@ -46,7 +56,7 @@ class HistoryDigest:
         """Fold one part (a conforming ``ti.history`` table) into the digest."""
         if part.num_rows == 0:
             return
-        frame = pl.from_arrow(part)
+        frame = pl.from_arrow(part.select(_NEEDED))
         assert isinstance(frame, pl.DataFrame)
         latest = pl.col("sample_id").arg_max()
         groups = frame.group_by(_KEYS).agg(

@@ -46,9 +46,23 @@ def conform(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
     return pa.concat_tables(tables)
 
 
+def dictionary_columns(schema: pa.Schema) -> list[str]:
+    """Columns worth Parquet dictionary encoding: the strings. (Encoding floats, ids and
+    timestamps too costs CPU and makes the file larger.)"""
+    return [f.name for f in schema if pa.types.is_string(f.type)]
+
+
 def write_parquet(path: Path, table: pa.Table) -> None:
     """Publish ``table`` atomically at ``path``."""
-    publish_with(path, lambda tmp: pq.write_table(table, tmp, compression=PART_COMPRESSION))
+    publish_with(
+        path,
+        lambda tmp: pq.write_table(
+            table,
+            tmp,
+            compression=PART_COMPRESSION,
+            use_dictionary=dictionary_columns(table.schema),
+        ),
+    )
 
 
 class PartWriter:
