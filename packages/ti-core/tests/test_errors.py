@@ -106,3 +106,22 @@ def test_failing_sink_under_raise() -> None:
     with pytest.raises(OSError, match="disk full"):
         model(torch.randn(2, 3))
     remove_observer(model)
+
+
+class GradientSinkFailure(MemorySink):
+    def write_history(self, batch: pa.RecordBatch) -> None:
+        if batch.column("signal")[0].as_py() == "output_gradient":
+            raise OSError("gradient write failed")
+        super().write_history(batch)
+
+
+def test_raise_propagates_from_backward() -> None:
+    model = nn.Sequential(nn.Linear(3, 3))
+    sink = GradientSinkFailure()
+    inject_observer(model, sink=sink, sampler=AlwaysSampler(), error_policy="raise")
+    out = model(torch.randn(2, 3))
+    with pytest.raises(OSError, match="gradient write failed"):
+        out.sum().backward()
+    remove_observer(model)
+    assert rows(sink.table(), signal="output")
+    assert not model._forward_hooks

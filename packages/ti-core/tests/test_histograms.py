@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ti_core import reducers
+from ti_core import _cpu_scan, reducers
 from ti_core.histograms import HistogramData, compute_histograms, single_value_limit
+from ti_core.reducers import ReductionPlan, default_reducers
 
 DTYPES = (
     torch.float16,
@@ -42,6 +43,8 @@ def check(h: HistogramData, t: torch.Tensor, bins: int) -> None:
         assert h.sum == 0.0
         assert h.sum_squares == 0.0
         return
+    assert h.min is not None
+    assert h.max is not None
     assert h.min == finite.min()
     assert h.max == finite.max()
     scale = float(np.abs(finite).max())
@@ -57,7 +60,8 @@ def check(h: HistogramData, t: torch.Tensor, bins: int) -> None:
     assert h.bucket_limits[-1] == h.max
     assert h.bucket_limits[0] > h.min
     edges = np.concatenate([[h.min], h.bucket_limits])
-    np.testing.assert_allclose(edges, np.linspace(h.min, h.max, bins + 1), rtol=1e-12)
+    linspace = np.linspace(h.min, h.max, bins + 1)
+    np.testing.assert_allclose(edges, linspace, rtol=1e-12)
     expected, _ = np.histogram(finite, bins=edges)
     np.testing.assert_array_equal(h.bucket_counts, expected)
 
@@ -165,6 +169,24 @@ def test_accelerator_code_path_matches_numpy(monkeypatch: pytest.MonkeyPatch) ->
     tensors.append(torch.arange(300_001, dtype=torch.float32))
     for t, h in zip(tensors, compute_histograms(tensors, bins=30), strict=True):
         check(h, t, 30)
+
+
+def test_histogram_after_reduction_reuses_moments_only_while_valid() -> None:
+    gen = torch.Generator().manual_seed(6)
+    t = torch.randn(300_000, generator=gen)
+    t[::1000] = math.nan
+    ReductionPlan(default_reducers()).reduce([t])
+    assert _cpu_scan.recall(t) is not None
+    (h,) = compute_histograms([t], bins=30)
+    check(h, t, 30)
+    t.mul_(3.0)  # bumps the version counter: the recorded moments no longer apply
+    assert _cpu_scan.recall(t) is None
+    (h,) = compute_histograms([t], bins=30)
+    check(h, t, 30)
+    ReductionPlan(default_reducers()).reduce([t])
+    t.numpy()[5] = 100.0  # a write the version counter does not see, outside [min, max]
+    (h,) = compute_histograms([t], bins=30)
+    check(h, t, 30)
 
 
 def test_bad_bins_are_rejected() -> None:

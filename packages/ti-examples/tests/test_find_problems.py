@@ -16,6 +16,7 @@ import torch
 
 from ti_examples.cli import main
 from ti_examples.experiments import ProblemResult
+from ti_examples.plotting import draw_comparison
 from ti_examples.problems import PROBLEMS, VARIANTS
 from ti_examples.training import ExperimentConfig, make_batches, train
 from ti_io.cli import main as ti_main
@@ -247,3 +248,33 @@ def test_refuses_an_output_that_holds_runs(demo: tuple[Path, list[ProblemResult]
 def test_rejects_too_few_steps(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="steps must be >= 25"):
         main(["--output", str(tmp_path), "--steps", "10", "--quiet"])
+
+
+def test_plot_draws_gaps_and_onset(demo: tuple[Path, list[ProblemResult]]) -> None:
+    """Missing gradients are NaN in the drawn line (a gap), never zero; the onset is marked."""
+    _, results = demo
+    detached = next(r for r in results if r.problem.name == "detached")
+    fig = draw_comparison(
+        detached.series,
+        detached.problem.panels,
+        title="detached",
+        onset_sample=detached.onset_sample,
+        onset_step=ONSET_STEP,
+        sample_every=SAMPLE_EVERY,
+    )
+    trunk_axes = fig.axes[0]
+    lines = {line.get_label(): line for line in trunk_axes.get_lines()}
+    broken_x = np.asarray(lines["broken"].get_xdata(), dtype=float)
+    broken_y = np.asarray(lines["broken"].get_ydata(), dtype=float)
+    assert np.all(np.isnan(broken_y[broken_x >= 4]))
+    assert np.all(np.isfinite(broken_y[broken_x < 4]))
+    assert np.all(np.isfinite(np.asarray(lines["baseline"].get_ydata(), dtype=float)))
+    onset = lines[f"fault onset (step {ONSET_STEP})"]
+    assert list(onset.get_xdata()) == [4, 4]
+    assert "no value at samples 4-19" in trunk_axes.get_title()
+    assert trunk_axes.get_yscale() == "log"
+    assert trunk_axes.get_ylabel()
+    assert fig.axes[-1].get_xlabel().startswith("sample_id")
+    legend = trunk_axes.get_legend()
+    assert legend is not None
+    assert {t.get_text() for t in legend.get_texts()} >= {"baseline", "broken", "fixed"}

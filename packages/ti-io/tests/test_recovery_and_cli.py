@@ -146,3 +146,11 @@ def test_finalize_streams_parts_into_bounded_row_groups(
     assert len(sizes) > 1
     assert max(sizes) <= 100
     assert final.read().equals(in_parts)  # same rows, same order as the parts
+
+
+def test_the_ti_command_does_not_import_torch() -> None:
+    import subprocess
+
+    code = "import sys, ti_io.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"  # `ti validate` starts in about a second, not ten

@@ -200,22 +200,23 @@ def _lerp(a: float, b: float, t: float) -> float:
 
 
 def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
-    """Default-profile rows (see ``ROW``) of the rows of ``x`` (float64, NaN-padded; the
-    unpadded lengths are ``numel``), one small tensor per row."""
+    """Default-profile rows (see ``ROW``) of the rows of ``x`` (float32 or float64, NaN-padded;
+    the unpadded lengths are ``numel``), one small tensor per row. Sums are in float64."""
     k, width = x.shape
+    f64 = np.float64
     out = np.empty((k, ROW))
     with np.errstate(all="ignore"):  # rows without finite entries give NaN, masked later
         finite = np.isfinite(x)
         if finite.all():  # the common case: no NaN/inf and no padding
             nf = np.full(k, float(width))
-            mean = x.sum(axis=1) / width
+            mean = np.add.reduce(x, axis=1, dtype=f64) / width
             d = x - mean[:, None]
             key = x
         else:
-            nf = np.count_nonzero(finite, axis=1).astype(np.float64)
-            mean = np.where(finite, x, 0.0).sum(axis=1) / nf
+            nf = np.count_nonzero(finite, axis=1).astype(f64)
+            mean = np.add.reduce(np.where(finite, x, 0.0), axis=1, dtype=f64) / nf
             d = np.where(finite, x - mean[:, None], 0.0)
-            key = np.where(finite, x, math.inf)
+            key = np.where(finite, x, x.dtype.type(math.inf))
         out[:, 0] = mean
         out[:, 1] = np.sqrt(np.einsum("ij,ij->i", d, d) / nf)
         ordered = np.sort(key, axis=1)  # numpy's SIMD sort; rows are small
@@ -227,7 +228,8 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
             lo = np.floor(pos)
             ranks += [lo, np.minimum(lo + 1.0, last)]
             fracs.append(pos - lo)
-        picked = np.take_along_axis(ordered, np.stack(ranks, axis=1).astype(np.intp), axis=1)
+        idx = np.stack(ranks, axis=1).astype(np.intp)
+        picked = np.take_along_axis(ordered, idx, axis=1).astype(f64)
         out[:, 2] = ordered[:, 0]
         out[:, 3] = picked[:, 0]
         for j, t in enumerate(fracs):
@@ -346,9 +348,12 @@ def _bucket_counts(a: np.ndarray, bins: int, m: Moments) -> np.ndarray | None:
 
 _RECENT_MAX = 16
 _recent: dict[int, tuple[weakref.ref[torch.Tensor], int, int, Moments]] = {}
-"""Moments of the last large CPU tensors reduced, keyed by ``id``. An entry is used only for
-the same live tensor object with the same version counter and storage pointer, so a reduction
-followed by a histogram of the same snapshot reads the tensor once for the moments."""
+"""Moments of the last large CPU tensors reduced, keyed by ``id``: the observer reduces a
+snapshot and then histograms the same snapshot, which then needs no moments pass. An entry is
+used only for the same live tensor object with the same version counter and storage pointer,
+and the bucket pass still checks it against the data (range and finite count). A write that
+bypasses the version counter (through ``.numpy()`` or ``.data``) and stays inside the recorded
+range could leave ``sum``/``sum_squares`` stale; snapshots are never written to."""
 
 
 def remember(t: torch.Tensor, m: Moments) -> None:

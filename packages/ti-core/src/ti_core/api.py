@@ -14,7 +14,6 @@ from importlib import metadata
 from os import PathLike
 from typing import Any
 
-import pyarrow as pa
 from torch import nn
 
 from ti_core import resolve
@@ -23,7 +22,7 @@ from ti_core.errors import ErrorPolicy, ObserverAlreadyAttachedError
 from ti_core.observer import ATTRIBUTE, Observer
 from ti_core.ranks import RankPolicy
 from ti_core.records import RunColumns
-from ti_core.reducers import Reducer, ReductionPlan, default_reducers
+from ti_core.reducers import ReducerSpec, ReductionPlan, default_reducers
 from ti_core.sampling import (
     DEFAULT_INTERVAL,
     Sampler,
@@ -112,10 +111,6 @@ def _resolve_sampler(sampler: Sampler | None, interval: timedelta | float) -> Sa
     return sampler
 
 
-def _layer_array(values: Sequence[str]) -> pa.Array:
-    return pa.array(list(values), pa.string())
-
-
 def inject_observer(
     model: nn.Module,
     *,
@@ -124,7 +119,7 @@ def inject_observer(
     sampler: Sampler | None = None,
     interval: timedelta | float = DEFAULT_INTERVAL,
     selector: Selector | None = None,
-    reducers: Sequence[Reducer] | None = None,
+    reducers: Sequence[ReducerSpec] | None = None,
     histogram_selector: Selector | Collection[str] | None = None,
     max_histogram_modules: int = 8,
     rank_policy: str | RankPolicy = "rank0",
@@ -199,9 +194,9 @@ def inject_observer(
         histogram_schema=histogram_schema(producer),
         run_id=run.run_id,
         rank=run.rank,
-        layer_names=_layer_array([layer.name for layer in selection.layers]),
-        module_types=_layer_array([layer.module_type for layer in selection.layers]),
-        metric_names=_layer_array(metrics),
+        layer_names=tuple(layer.name for layer in selection.layers),
+        module_types=tuple(layer.module_type for layer in selection.layers),
+        metric_names=metrics,
     )
     opened: list[Sink] = []
     try:

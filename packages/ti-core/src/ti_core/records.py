@@ -7,7 +7,7 @@ repeated per metric with ``take``, values come straight from the reducers' float
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,17 +40,43 @@ class RunColumns:
     histogram_schema: pa.Schema
     run_id: str
     rank: int
-    layer_names: pa.Array
-    module_types: pa.Array
-    metric_names: pa.Array
+    layer_names: Sequence[str]
+    module_types: Sequence[str]
+    metric_names: Sequence[str]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_objects", np.array(self.layer_names, dtype=object))
+        object.__setattr__(self, "module_type_objects", np.array(self.module_types, dtype=object))
+        object.__setattr__(self, "metric_objects", np.array(self.metric_names, dtype=object))
+
+    layer_objects: np.ndarray = field(init=False)
+    module_type_objects: np.ndarray = field(init=False)
+    metric_objects: np.ndarray = field(init=False)
 
 
-_MODES = pa.array(["eval", "train"], pa.string())
-_SIGNAL_CACHE: dict[str, pa.Array] = {}
+_TIMESTAMP = pa.timestamp("us", tz="UTC")
+_MODE_NAMES = np.array(["eval", "train"], dtype=object)
+_SMALL = 512
+"""Below this many rows, string columns are built from numpy object arrays (pyarrow's ``take``
+has a fixed dispatch cost); above it, ``take`` on the per-entry array is faster."""
 
 
-def _constant_string(value: str, rows: int) -> pa.Array:
-    return pa.array([value], pa.string()).take(np.zeros(rows, dtype=np.int64))
+def constant_strings(value: str, rows: int) -> pa.Array:
+    """``rows`` copies of ``value`` built directly from buffers."""
+    data = value.encode()
+    if rows * len(data) < 2**31:
+        offsets = np.arange(rows + 1, dtype=np.int32) * np.int32(len(data))
+        return pa.StringArray.from_buffers(rows, pa.py_buffer(offsets), pa.py_buffer(data * rows))
+    wide = np.arange(rows + 1, dtype=np.int64) * len(data)
+    large = pa.LargeStringArray.from_buffers(rows, pa.py_buffer(wide), pa.py_buffer(data * rows))
+    return large.cast(pa.string())
+
+
+def _strings(values: np.ndarray, index: np.ndarray) -> pa.Array:
+    """``values[index]`` (an object array of str) as an Arrow string array."""
+    if len(index) < _SMALL:
+        return pa.array(values[index], pa.string())
+    return pa.array(values, pa.string()).take(pa.array(index))
 
 
 def _identity(
@@ -69,30 +95,35 @@ def _identity(
     stamp = np.fromiter((e.timestamp_us for e in entries), dtype=np.int64, count=n)[rep]
     train = np.fromiter((e.train for e in entries), dtype=np.int64, count=n)[rep]
     grad = np.fromiter((e.grad_enabled for e in entries), dtype=np.bool_, count=n)[rep]
-    lengths = np.fromiter((len(e.shape) for e in entries), dtype=np.int32, count=n)
-    offsets = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
+    lengths = np.fromiter((len(e.shape) for e in entries), dtype=np.int64, count=n)
     dims = np.fromiter(
-        (d for e in entries for d in e.shape), dtype=np.int64, count=int(offsets[-1])
+        (d for e in entries for d in e.shape), dtype=np.int64, count=int(lengths.sum())
     )
-    shapes = pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims, pa.int64()))
-    paths = pa.array([e.path for e in entries], pa.string())
-    dtypes = pa.array([e.dtype for e in entries], pa.string())
+    # each entry's dims repeated ``repeat`` times, with offsets over the repeated rows
+    row_lengths = lengths[rep]
+    offsets = np.zeros(rows + 1, dtype=np.int32)
+    np.cumsum(row_lengths, out=offsets[1:])
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    gather = np.repeat(starts[rep] - offsets[:-1], row_lengths) + np.arange(offsets[-1])
+    shapes = pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims[gather], pa.int64()))
+    paths = np.array([e.path for e in entries], dtype=object)
+    dtypes = np.array([e.dtype for e in entries], dtype=object)
     return [
-        _constant_string(run.run_id, rows),
+        constant_strings(run.run_id, rows),
         pa.array(np.full(rows, run.rank, dtype=np.int32)),
         pa.array(np.full(rows, sample_id, dtype=np.int64)),
         pa.array(np.full(rows, forward_index, dtype=np.int64)),
-        pa.array(stamp, pa.timestamp("us", tz="UTC")),
-        run.layer_names.take(layer),
-        run.module_types.take(layer),
+        pa.array(stamp).view(_TIMESTAMP),
+        _strings(run.layer_objects, layer),
+        _strings(run.module_type_objects, layer),
         pa.array(call),
-        _constant_string(signal, rows),
-        paths.take(rep),
-        _MODES.take(train),
+        constant_strings(signal, rows),
+        _strings(paths, rep),
+        _strings(_MODE_NAMES, train),
         pa.array(grad),
-        shapes.take(rep),
-        dtypes.take(rep),
+        shapes,
+        _strings(dtypes, rep),
     ]
 
 
@@ -130,7 +161,7 @@ def history_batch(
                 else:
                     flat.append(None)
         reason_col = pa.array(flat, pa.string())
-    metric = run.metric_names.take(np.tile(np.arange(n_metrics, dtype=np.int64), n))
+    metric = _strings(run.metric_objects, np.tile(np.arange(n_metrics, dtype=np.int64), n))
     columns = [
         *_identity(run, signal, sample_id, forward_index, entries, n_metrics),
         metric,

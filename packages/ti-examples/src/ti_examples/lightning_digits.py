@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
 from ti_io import TensorBoardSink
 
-STATED_TEST_ACCURACY = 0.95
-"""The test accuracy the default settings reach (measured ~0.97; see docs/research-workflow.md)."""
+STATED_TEST_ACCURACY = 0.978
+"""Test accuracy measured with the defaults (seed 0, 10 epochs, CPU); see examples/README.md."""
 
 
 class DigitsClassifier(LightningModule):

@@ -5,13 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt
 import numpy as np
 import polars as pl
+from matplotlib.figure import Figure
 
 from ti_examples.problems import VARIANTS, Panel
 
@@ -34,14 +30,37 @@ def plot_comparison(
     sample_every: int,
     path: Path,
 ) -> Path:
-    """Draw one panel per evidence series, one line per variant, and save a PNG at ``path``.
+    """Draw the comparison (see :func:`draw_comparison`) and save it as a PNG at ``path``."""
+    fig = draw_comparison(
+        frame,
+        panels,
+        title=title,
+        onset_sample=onset_sample,
+        onset_step=onset_step,
+        sample_every=sample_every,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def draw_comparison(
+    frame: pl.DataFrame,
+    panels: Sequence[Panel],
+    *,
+    title: str,
+    onset_sample: int,
+    onset_step: int,
+    sample_every: int,
+) -> Figure:
+    """One panel per evidence series, one line per variant.
 
     Missing values (no rows written, e.g. no gradient arrived) are NaN, so the line breaks
-    instead of dropping to zero. The fault onset is a dashed vertical line.
+    instead of dropping to zero, and the panel title lists them. The fault onset is a dashed
+    vertical line at the first faulty sample. A plain ``Figure`` (no pyplot state, any backend).
     """
-    fig, axes = plt.subplots(
-        len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True, squeeze=False
-    )
+    fig = Figure(figsize=(8, 3.2 * len(panels)))
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)
     for ax, panel in zip(axes[:, 0], panels, strict=True):
         gaps: list[str] = []
         for variant in VARIANTS:
@@ -77,10 +96,7 @@ def plot_comparison(
     )
     fig.suptitle(title, fontsize=12)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _ranges(values: np.ndarray) -> str:

@@ -68,8 +68,12 @@ class HistoryDigest:
             pl.col("module_type").first().alias("module_type"),
             pl.col("timestamp").min().alias("first_time"),
             pl.col("timestamp").max().alias("last_time"),
+            pl.col("sample_id").alias("_sample_ids"),
+            pl.col("value").alias("_values"),
         )
-        known = groups.join(self._catalog, on=_KEYS, how="left")
+        # Group ids: the part's few groups are matched against the catalog (a small join),
+        # rather than joining every row on seven key columns.
+        known = groups.select(_KEYS).join(self._catalog, on=_KEYS, how="left")
         new = known.filter(pl.col("key").is_null()).select(_KEYS)
         if new.height:
             start = self._catalog.height
@@ -78,12 +82,12 @@ class HistoryDigest:
             )
             self._catalog = pl.concat([self._catalog, new])
         groups = groups.join(self._catalog, on=_KEYS, how="left")
-        self._groups.append(groups.drop(_KEYS))
         self._values.append(
-            frame.select(*_KEYS, "sample_id", "value")
-            .join(self._catalog, on=_KEYS, how="left")
-            .select("key", "sample_id", "value")
+            groups.select("key", "_sample_ids", "_values")
+            .explode(["_sample_ids", "_values"])
+            .rename({"_sample_ids": "sample_id", "_values": "value"})
         )
+        self._groups.append(groups.drop([*_KEYS, "_sample_ids", "_values"]))
         missing = frame.filter(pl.col("value").is_null())
         if missing.height:
             self._reasons.append(

@@ -14,11 +14,10 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import pyarrow as pa
 
-from ti_core.sink import RunInfo
 from ti_io.config import HistoryConfig
 from ti_io.consolidate import finalize
 from ti_io.errors import ArtifactWriteError
@@ -36,6 +35,11 @@ from ti_io.parts import PartWriter, WriteFailure
 from ti_io.result_json import build_records, write_result_json
 from ti_io.tensorboard_sink import EventFileHistograms
 from ti_schema import histogram_schema, history_schema
+
+if (
+    TYPE_CHECKING
+):  # ti-core is imported for types only: importing ti_io (the `ti` command) must not pay
+    from ti_core.sink import RunInfo
 
 _STRING: Final[pa.DataType] = pa.string()
 

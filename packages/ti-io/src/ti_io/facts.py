@@ -14,10 +14,32 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ti_core.sink import LayerInfo, RunInfo
 from ti_io.layout import HISTORY_PARTS, RESULT_FILE, RUN_FILE, publish_text
+
+if TYPE_CHECKING:  # types only: importing ti_io must not import torch (ti_core does)
+    from ti_core.sink import RunInfo
+
+
+class LayerLike(Protocol):
+    """A catalog entry: ``ti_core.LayerInfo`` or :class:`CatalogLayer`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def module_type(self) -> str: ...
+    @property
+    def aliases(self) -> tuple[str, ...]: ...
+
+
+@dataclass(frozen=True)
+class CatalogLayer:
+    """A layer of the catalog as read back from result.json."""
+
+    name: str
+    module_type: str
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -29,7 +51,7 @@ class RunFacts:
     world_size: int | None
     producer: str | None
     started_at: str | None
-    layers: tuple[LayerInfo, ...]
+    layers: tuple[LayerLike, ...]
     focus_layers: tuple[str, ...]
     metrics: tuple[str, ...]
     sampler: str | None
@@ -94,7 +116,7 @@ def write_run_file(directory: Path, facts: RunFacts) -> None:
     publish_text(directory / HISTORY_PARTS / RUN_FILE, facts.to_json())
 
 
-def read_catalog(directory: Path) -> tuple[LayerInfo, ...] | None:
+def read_catalog(directory: Path) -> tuple[CatalogLayer, ...] | None:
     """The layer catalog recorded in result.json, or None when it is missing or unreadable."""
     try:
         data = json.loads((directory / RESULT_FILE).read_text(encoding="utf-8"))
@@ -108,7 +130,7 @@ def read_catalog(directory: Path) -> tuple[LayerInfo, ...] | None:
             return None
         module_type = record.get("type")
         layers.append(
-            LayerInfo(
+            CatalogLayer(
                 name=record["layer"],
                 module_type=module_type if isinstance(module_type, str) else "",
                 aliases=_str_tuple(record.get("aliases")),

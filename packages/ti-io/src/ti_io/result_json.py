@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import polars as pl
 
-from ti_core.sink import LayerInfo
+from ti_io.facts import LayerLike
 from ti_io.layout import publish_text
 from ti_schema import SIGNALS
 
@@ -150,7 +151,7 @@ def _metric_order(metrics: Sequence[str]) -> dict[str, int]:
 
 
 def build_records(
-    catalog: Iterable[LayerInfo],
+    catalog: Iterable[LayerLike],
     aggregated: pl.DataFrame | None,
     *,
     window: int,
@@ -214,9 +215,14 @@ def build_records(
     return list(records.values())
 
 
+_INT_LIST: Final[re.Pattern[str]] = re.compile(r"\[\n\s+(-?\d+(?:,\n\s+-?\d+)*)\n\s*\]")
+
+
 def dumps(records: list[dict[str, Any]]) -> str:
-    """Strict JSON text of result.json (raises ValueError on NaN/Infinity)."""
-    return json.dumps(records, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    """Strict JSON text of result.json (raises ValueError on NaN/Infinity); integer lists
+    (shapes) on one line. Safe as a text edit: JSON strings never hold a raw newline."""
+    text = json.dumps(records, indent=2, ensure_ascii=False, allow_nan=False)
+    return _INT_LIST.sub(lambda m: "[" + re.sub(r",\n\s+", ", ", m.group(1)) + "]", text) + "\n"
 
 
 def write_result_json(path: Path, records: list[dict[str, Any]]) -> None:

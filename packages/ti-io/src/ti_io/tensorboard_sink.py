@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -22,8 +22,10 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.compat.proto.summary_pb2 import HistogramProto
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-from ti_core.sink import RunInfo
 from ti_io.tags import histogram_tag
+
+if TYPE_CHECKING:  # types only: importing ti_io must not import torch
+    from ti_core.sink import RunInfo
 
 
 @dataclass(frozen=True)
