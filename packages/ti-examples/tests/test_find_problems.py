@@ -278,3 +278,19 @@ def test_plot_draws_gaps_and_onset(demo: tuple[Path, list[ProblemResult]]) -> No
     legend = trunk_axes.get_legend()
     assert legend is not None
     assert {t.get_text() for t in legend.get_texts()} >= {"baseline", "broken", "fixed"}
+
+
+def test_prints_evidence_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --quiet: a header and a Polars evidence table per experiment, then a summary."""
+    main(["--output", str(tmp_path / "out"), "--steps", "25", "--problem", "detached"])
+    printed = capsys.readouterr().out
+    assert "== detached (fault from step 20 = sample 4)" in printed
+    assert "measured_after" in printed
+    trunk_broken = [
+        line
+        for line in printed.splitlines()
+        if "trunk.0 output_gradient std" in line and "broken" in line
+    ]
+    assert len(trunk_broken) == 1
+    assert "0/1" in trunk_broken[0]
+    assert f"Artifacts of 3 runs under {tmp_path / 'out'}" in printed
