@@ -5,6 +5,7 @@ and the count of live tensors flat (a generous bound here; benchmarks/soak.py ru
 from __future__ import annotations
 
 import gc
+import warnings
 
 import psutil
 import pyarrow as pa
@@ -41,7 +42,9 @@ class CountingSink:
 
 def _live_tensors() -> int:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated module proxies
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
 def _rss() -> int:

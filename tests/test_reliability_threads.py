@@ -238,9 +238,7 @@ def test_exception_mid_forward_leaves_no_state_and_next_forward_is_observed(
     model = Exploding()
     pristine = _hooks(model)
     out = tmp_path / "stats"
-    inject_observer(
-        model, output_dir=out, sampler=EveryNForwardsSampler(2), error_policy=policy
-    )
+    inject_observer(model, output_dir=out, sampler=EveryNForwardsSampler(2), error_policy=policy)
     observer = _observer(model)
     root_only = _hooks(model)
     x = torch.randn(5, 3)
@@ -249,7 +247,8 @@ def test_exception_mid_forward_leaves_no_state_and_next_forward_is_observed(
         model.armed = True
         with pytest.raises(ValueError, match="middle of the forward"):
             model(x)  # forward 0: sampled, raises after first and inner ran
-        assert observer._local.sample is None and observer._local.depth == 0
+        assert observer._local.sample is None
+        assert observer._local.depth == 0
         assert observer._active == 0
         model.armed = False
         model(x).sum().backward()  # forward 1: unsampled, uninstalls the per-module hooks
@@ -270,10 +269,7 @@ def test_exception_mid_forward_leaves_no_state_and_next_forward_is_observed(
     assert set(ok.get_column("signal").unique()) == {"output", "output_gradient"}
     with torch.no_grad():
         want = model(x * 3).numpy()
-    got = {
-        r["metric"]: r["value"]
-        for r in ok.filter(layer="last", signal="output").to_dicts()
-    }
+    got = {r["metric"]: r["value"] for r in ok.filter(layer="last", signal="output").to_dicts()}
     np.testing.assert_allclose(got["mean"], want.mean(), rtol=1e-5)
     np.testing.assert_allclose(got["p75"], np.percentile(want, 75), rtol=1e-5)
     assert history.get_column("forward_index").unique().sort().to_list() in ([0, 2], [2])

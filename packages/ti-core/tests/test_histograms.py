@@ -189,6 +189,16 @@ def test_histogram_after_reduction_reuses_moments_only_while_valid() -> None:
     check(h, t, 30)
 
 
+def test_histograms_after_batched_reduction_of_medium_tensors() -> None:
+    gen = np.random.default_rng(10)
+    tensors = [sample(gen, dtype, 8192, 0.02).reshape(64, 128) for dtype in DTYPES]
+    tensors += [torch.full((64, 64), 2.5), torch.full((64, 64), math.nan)]
+    ReductionPlan(default_reducers()).reduce(tensors)
+    assert _cpu_scan.recall(tensors[2]) is not None  # float32, 8192 entries
+    for t, h in zip(tensors, compute_histograms(tensors, bins=30), strict=True):
+        check(h, t, 30)
+
+
 def test_bad_bins_are_rejected() -> None:
     for bad in (0, -3, 2.5, True, "30"):
         with pytest.raises(ValueError, match="bins"):

@@ -374,3 +374,26 @@ def test_backpressure_blocks_instead_of_dropping(
     sink.close()
     ids = pl.read_parquet(tmp_path / "history.parquet").get_column("sample_id").unique().sort()
     assert ids.to_list() == list(range(chunks))
+
+
+def test_several_reasons_are_counted(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth(empty_every=1)
+    sink = DirectorySink(tmp_path)
+    sink.open(s.run)
+    for sample in range(3):
+        batch = s.history(sample)
+        if sample == 2:  # a different reason for the last sample's empty gradients
+            reasons = [
+                None if r is None else "not computed: complex64 dtype"
+                for r in batch.column("unavailable_reason").to_pylist()
+            ]
+            index = batch.schema.get_field_index("unavailable_reason")
+            batch = batch.set_column(index, "unavailable_reason", pa.array(reasons))
+        sink.write_history(batch)
+    sink.close()
+    records = load_strict_json(tmp_path / "result.json")
+    empty = next(t for t in records[-1]["tensors"] if t["signal"] == "output_gradient")
+    assert empty["statistics"]["mean"]["unavailable_reason"] == (
+        "all 3 samples unavailable: empty tensor (numel=0) (and 1 other reason; see "
+        "unavailable_reason in history.parquet)"
+    )

@@ -206,13 +206,16 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
     f64 = np.float64
     out = np.empty((k, ROW))
     with np.errstate(all="ignore"):  # rows without finite entries give NaN, masked later
-        finite = np.isfinite(x)
-        if finite.all():  # the common case: no NaN/inf and no padding
+        sums = np.add.reduce(x, axis=1, dtype=f64)
+        # Finite sums mean every entry is finite (NaN and inf propagate): the common case,
+        # without padding, skips the masking passes.
+        if np.isfinite(sums).all():
             nf = np.full(k, float(width))
-            mean = np.add.reduce(x, axis=1, dtype=f64) / width
+            mean = sums / width
             d = x - mean[:, None]
             key = x
         else:
+            finite = np.isfinite(x)
             nf = np.count_nonzero(finite, axis=1).astype(f64)
             mean = np.add.reduce(np.where(finite, x, 0.0), axis=1, dtype=f64) / nf
             d = np.where(finite, x - mean[:, None], 0.0)
@@ -293,16 +296,16 @@ def histogram_large(a: np.ndarray, bins: int, known: Moments | None = None) -> n
     row[:HIST_HEAD] = (m.lo, m.hi, m.finite, m.total, m.squares, m.nonfinite)
     if m.finite == 0:
         return row
-    counts = _bucket_counts(a, bins, m)
+    edges = np.linspace(m.lo, m.hi, bins + 1)
+    counts = _bucket_counts(a, bins, m, edges)
     if counts is None:  # ``known`` did not describe this array
         return histogram_large(a, bins)
-    row[HIST_HEAD : HIST_HEAD + bins + 1] = np.linspace(m.lo, m.hi, bins + 1)
+    row[HIST_HEAD : HIST_HEAD + bins + 1] = edges
     row[HIST_HEAD + bins + 1 :] = counts
     return row
 
 
-def _bucket_counts(a: np.ndarray, bins: int, m: Moments) -> np.ndarray | None:
-    edges = np.linspace(m.lo, m.hi, bins + 1)
+def _bucket_counts(a: np.ndarray, bins: int, m: Moments, edges: np.ndarray) -> np.ndarray | None:
     width = m.hi - m.lo
     counts = np.zeros(bins, dtype=np.int64)
     if not (width > 0 and math.isfinite(bins / width)):
@@ -346,7 +349,16 @@ def _bucket_counts(a: np.ndarray, bins: int, m: Moments) -> np.ndarray | None:
     return counts
 
 
-_RECENT_MAX = 16
+def row_moments(row: np.ndarray, numel: int) -> Moments:
+    """The moments implied by a default-profile row (see ``ROW``) of ``numel`` entries."""
+    nf = int(row[9])
+    mean, std = float(row[0]), float(row[1])
+    return Moments(
+        float(row[2]), float(row[3]), nf, numel - nf, mean * nf, (std * std + mean * mean) * nf
+    )
+
+
+_RECENT_MAX = 256
 _recent: dict[int, tuple[weakref.ref[torch.Tensor], int, int, Moments]] = {}
 """Moments of the last large CPU tensors reduced, keyed by ``id``: the observer reduces a
 snapshot and then histograms the same snapshot, which then needs no moments pass. An entry is

@@ -93,6 +93,9 @@ _FINITE_COLS = 7
 _LARGE = 1 << 16
 """Tensors with more entries are reduced one by one with selection; smaller ones are batched."""
 
+_REMEMBER = 1 << 12
+"""CPU tensors from this size on leave their moments for a histogram of the same tensor."""
+
 _BATCH_ELEMENTS = 1 << 20
 """At most this many padded entries per batched matrix, bounding temporary memory."""
 
@@ -447,7 +450,15 @@ def _batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torc
             x[row : row + len(part), :w] = block.numpy()
             x[row : row + len(part), w:] = math.nan
             row += len(part)
-        return torch.from_numpy(_cpu_scan.batched_rows(x, np.asarray(lengths, dtype=np.float64)))
+        rows = _cpu_scan.batched_rows(x, np.asarray(lengths, dtype=np.float64))
+        if width >= _REMEMBER:
+            r = 0
+            for part, w in zip(parts, widths, strict=True):
+                for t in part:
+                    if w >= _REMEMBER and rows[r, 9] > 0:
+                        _cpu_scan.remember(t, _cpu_scan.row_moments(rows[r], w))
+                    r += 1
+        return torch.from_numpy(rows)
     blocks = []
     for part, w in zip(parts, widths, strict=True):
         block = torch.stack(part).detach().reshape(len(part), w).to(torch.float64)

@@ -11,9 +11,7 @@ observations before them (``previous_window_mean``). A null aggregate always com
 from __future__ import annotations
 
 import json
-import math
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -88,58 +86,100 @@ def aggregate(history: pl.LazyFrame, window: int) -> pl.LazyFrame:
     )
 
 
-def _number(value: Any) -> float | None:
-    if value is None:
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
+STATISTIC_KEYS: Final[tuple[str, ...]] = (
+    "observations",
+    "unavailable",
+    *AGGREGATES,
+    "unavailable_reason",
+)
+"""Keys of one statistics entry, in the order they are written."""
 
 
-def statistic(row: Mapping[str, Any], window: int) -> dict[str, Any]:
-    """The statistics entry of one aggregated row (nulls explained, strict JSON)."""
-    observations = int(row["observations"])
-    unavailable = int(row["unavailable"])
-    stats: dict[str, Any] = {"observations": observations, "unavailable": unavailable}
-    reasons: list[str] = []
-    if observations == 0:
-        stats.update(dict.fromkeys(AGGREGATES))
-        reason = f"all {unavailable} samples unavailable: {row['first_reason']}"
-        others = int(row["reasons"]) - 1
-        if others > 0:
-            reason += (
-                f" (and {others} other reason{'s' if others > 1 else ''}; see "
-                "unavailable_reason in history.parquet)"
+def finish_statistics(aggregated: pl.DataFrame, window: int) -> pl.DataFrame:
+    """Apply result.json's null rules to raw aggregates, vectorized: non-finite aggregates and
+    window means of too short histories become null, and ``unavailable_reason`` says why."""
+    observations = pl.col("observations")
+    short = {
+        "recent_window_mean": observations < window,
+        "previous_window_mean": observations < 2 * window,
+    }
+    nulled = {
+        key: pl.when(short[key]).then(None).otherwise(pl.col(key)) if key in short else pl.col(key)
+        for key in AGGREGATES
+    }
+    nonfinite = pl.concat_str(
+        [
+            pl.when(expr.is_not_null() & ~expr.is_finite()).then(pl.lit(key))
+            for key, expr in nulled.items()
+        ],
+        separator=", ",
+        ignore_nulls=True,
+    )
+    window_reason = (
+        pl.when(observations < window)
+        .then(
+            pl.format(
+                "window means need {} (recent) and {} (previous) observations; {} available",
+                pl.lit(window),
+                pl.lit(2 * window),
+                observations,
             )
-        reasons.append(reason)
-    else:
-        for key in AGGREGATES:
-            stats[key] = _number(row[key])
-        window_nulls: tuple[str, ...] = ()
-        if observations < window:
-            window_nulls = ("previous_window_mean", "recent_window_mean")
-            reasons.append(
-                f"window means need {window} (recent) and {2 * window} (previous) observations; "
-                f"{observations} available"
+        )
+        .when(observations < 2 * window)
+        .then(
+            pl.format(
+                "previous_window_mean needs {} observations ({} per window); {} available",
+                pl.lit(2 * window),
+                pl.lit(window),
+                observations,
             )
-        elif observations < 2 * window:
-            window_nulls = ("previous_window_mean",)
-            reasons.append(
-                f"previous_window_mean needs {2 * window} observations ({window} per window); "
-                f"{observations} available"
+        )
+    )
+    others = pl.col("reasons") - 1
+    all_unavailable = pl.concat_str(
+        [
+            pl.format(
+                "all {} samples unavailable: {}", pl.col("unavailable"), pl.col("first_reason")
+            ),
+            pl.when(others == 1).then(
+                pl.lit(" (and 1 other reason; see unavailable_reason in history.parquet)")
+            ),
+            pl.when(others > 1).then(
+                pl.format(
+                    " (and {} other reasons; see unavailable_reason in history.parquet)", others
+                )
+            ),
+        ],
+        ignore_nulls=True,
+    )
+    reason = (
+        pl.when(observations == 0)
+        .then(all_unavailable)
+        .otherwise(
+            pl.concat_str(
+                [
+                    window_reason,
+                    pl.when(nonfinite != "").then(
+                        pl.format(
+                            "{} not finite: the observations include NaN or infinity", nonfinite
+                        )
+                    ),
+                ],
+                separator="; ",
+                ignore_nulls=True,
             )
-        for key in window_nulls:
-            stats[key] = None
-        nonfinite = [
-            k
-            for k in AGGREGATES
-            if k not in window_nulls and row[k] is not None and stats[k] is None
-        ]
-        if nonfinite:
-            reasons.append(
-                f"{', '.join(nonfinite)} not finite: the observations include NaN or infinity"
-            )
-    stats["unavailable_reason"] = "; ".join(reasons) if reasons else None
-    return stats
+        )
+    )
+    return aggregated.with_columns(
+        *(
+            pl.when(observations > 0)
+            .then(pl.when(expr.is_finite()).then(expr))
+            .cast(pl.Float64)
+            .alias(key)
+            for key, expr in nulled.items()
+        ),
+        pl.when(reason != "").then(reason).alias("unavailable_reason"),
+    )
 
 
 def _signal_order(signal: str) -> int:
@@ -171,32 +211,39 @@ def build_records(
     if aggregated is None or aggregated.height == 0:
         return list(records.values())
     order = _metric_order(metrics)
+    finished = finish_statistics(aggregated, window)
     tensors: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for row in aggregated.iter_rows(named=True):
-        layer = row["layer"]
+    columns = [*TENSOR_KEYS, "metric", "module_type", "latest_shape", "dtype"]
+    for row, stats in zip(
+        finished.select(columns).iter_rows(),
+        finished.select(STATISTIC_KEYS).iter_rows(),
+        strict=True,
+    ):
+        layer, call_index, signal, tensor_path, mode, grad_enabled, metric = row[:7]
+        module_type, latest_shape, dtype = row[7:]
         record = records.get(layer)
         if record is None:
             record = records[layer] = {
                 "layer": layer,
-                "type": row["module_type"],
+                "type": module_type,
                 "aliases": [],
                 "tensors": [],
             }
-        key = tuple(row[k] for k in TENSOR_KEYS)
+        key = row[:6]
         tensor = tensors.get(key)
         if tensor is None:
             tensor = tensors[key] = {
-                "call_index": int(row["call_index"]),
-                "signal": row["signal"],
-                "tensor_path": row["tensor_path"],
-                "mode": row["mode"],
-                "grad_enabled": bool(row["grad_enabled"]),
-                "latest_shape": [int(s) for s in row["latest_shape"] or []],
-                "dtype": row["dtype"],
+                "call_index": int(call_index),
+                "signal": signal,
+                "tensor_path": tensor_path,
+                "mode": mode,
+                "grad_enabled": bool(grad_enabled),
+                "latest_shape": [int(s) for s in latest_shape or []],
+                "dtype": dtype,
                 "statistics": {},
             }
             record["tensors"].append(tensor)
-        tensor["statistics"][row["metric"]] = statistic(row, window)
+        tensor["statistics"][metric] = dict(zip(STATISTIC_KEYS, stats, strict=True))
     for record in records.values():
         record["tensors"].sort(
             key=lambda t: (
@@ -215,14 +262,14 @@ def build_records(
     return list(records.values())
 
 
-_INT_LIST: Final[re.Pattern[str]] = re.compile(r"\[\n\s+(-?\d+(?:,\n\s+-?\d+)*)\n\s*\]")
-
-
 def dumps(records: list[dict[str, Any]]) -> str:
-    """Strict JSON text of result.json (raises ValueError on NaN/Infinity); integer lists
-    (shapes) on one line. Safe as a text edit: JSON strings never hold a raw newline."""
-    text = json.dumps(records, indent=2, ensure_ascii=False, allow_nan=False)
-    return _INT_LIST.sub(lambda m: "[" + re.sub(r",\n\s+", ", ", m.group(1)) + "]", text) + "\n"
+    """Strict JSON text of result.json (raises ValueError on NaN/Infinity): one layer record
+    per line, which keeps Python's C encoder (an ``indent`` would select the slow one) and
+    reads well with ``jq`` or line-oriented tools."""
+    encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+    if not records:
+        return "[]\n"
+    return "[\n" + ",\n".join(encode(r) for r in records) + "\n]\n"
 
 
 def write_result_json(path: Path, records: list[dict[str, Any]]) -> None:
