@@ -371,8 +371,11 @@ def demo(session: nox.Session) -> None:
     if not script.exists():
         session.error("examples/find_problems.py does not exist yet")
     _install(session, *_all_package_args())
-    args = session.posargs or ["--output", "runs/demo"]
-    session.run("python", str(script), *args, env={"MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1"})
+    # Without --output the script writes to a new timestamped folder under runs/, so the demo can
+    # be run again without clearing the previous results.
+    session.run(
+        "python", str(script), *session.posargs, env={"MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1"}
+    )
 
 
 @nox.session(python=MAIN_PYTHON, download_python="never", default=False)

@@ -139,22 +139,19 @@ def reduce_large(a: np.ndarray) -> tuple[np.ndarray, Moments]:
     nf = n - nonfinite
     row = np.full(ROW, math.nan)
     row[7:] = (zeros / n, nonfinite / n, nf)
-    # sum(x) and sum(x^2) from the shifted sums: every term but the small 2 k s1 is positive.
-    moments = Moments(
-        lo_all, hi_all, nf, nonfinite, s1 + nf * shift, s2 + 2 * shift * s1 + nf * shift * shift
-    )
     if nf == 0:
-        return row, moments
+        return row, Moments(lo_all, hi_all, 0, nonfinite, 0.0, 0.0)
     mean_shifted = s1 / nf
     var = s2 / nf - mean_shifted * mean_shifted
-    row[0] = shift + mean_shifted
+    mean = shift + mean_shifted
     if mean_shifted * mean_shifted > 1e6 * max(var, 0.0):
         # The shift was far from the mean (a skewed sample): redo the squares around the mean.
-        var = _centered_squares(a, float(row[0]), nonfinite > 0) / nf
-    row[1] = math.sqrt(max(var, 0.0))
-    row[2], row[3] = lo_all, hi_all
+        var = _centered_squares(a, mean, nonfinite > 0) / nf
+    var = max(var, 0.0)
+    row[0], row[1], row[2], row[3] = mean, math.sqrt(var), lo_all, hi_all
     row[4:7] = _quartiles(a, nf, bands)
-    return row, moments
+    # sum(x^2) = n (var + mean^2): two non-negative terms, no cancellation.
+    return row, Moments(lo_all, hi_all, nf, nonfinite, s1 + nf * shift, nf * (var + mean * mean))
 
 
 def _centered_squares(a: np.ndarray, mean: float, has_nonfinite: bool) -> float:
@@ -201,7 +198,8 @@ def _lerp(a: float, b: float, t: float) -> float:
 
 def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
     """Default-profile rows (see ``ROW``) of the rows of ``x`` (float32 or float64, NaN-padded;
-    the unpadded lengths are ``numel``), one small tensor per row. Sums are in float64."""
+    the unpadded lengths are ``numel``), one small tensor per row. Sums are in float64.
+    ``x`` is scratch: its rows are sorted in place."""
     k, width = x.shape
     f64 = np.float64
     out = np.empty((k, ROW))
@@ -222,7 +220,9 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
             key = np.where(finite, x, x.dtype.type(math.inf))
         out[:, 0] = mean
         out[:, 1] = np.sqrt(np.einsum("ij,ij->i", d, d) / nf)
-        ordered = np.sort(key, axis=1)  # numpy's SIMD sort; rows are small
+        zeros = np.count_nonzero(x == 0, axis=1)
+        key.sort(axis=1)  # numpy's SIMD sort, in place: ``x`` is the caller's scratch matrix
+        ordered = key
         last = np.maximum(nf - 1.0, 0.0)
         ranks = [last]
         fracs = []
@@ -239,7 +239,7 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
             a, b = picked[:, 1 + 2 * j], picked[:, 2 + 2 * j]
             diff = b - a
             out[:, 4 + j] = np.where(t >= 0.5, b - diff * (1.0 - t), a + diff * t)
-        out[:, 7] = np.count_nonzero(x == 0, axis=1) / numel
+        out[:, 7] = zeros / numel
         out[:, 8] = (numel - nf) / numel
         out[:, 9] = nf
     return out
