@@ -121,9 +121,7 @@ def run(rows: int = 900_000, *, directory: str | None = None) -> dict[str, Any]:
         "rows": written,
         "samples": samples,
         "finalize_s": round(seconds, 3),
-        "finalize_cpu_s": round(
-            (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system), 3
-        ),
+        "finalize_cpu_s": round((cpu_after.user - cpu.user) + (cpu_after.system - cpu.system), 3),
         "peak_rss_growth_mb": round((peak - baseline) / 2**20, 1),
         "baseline_rss_mb": round(baseline / 2**20, 1),
         "history_parquet_mb": round(history_bytes / 2**20, 2),

@@ -199,6 +199,20 @@ def test_histograms_after_batched_reduction_of_medium_tensors() -> None:
         check(h, t, 30)
 
 
+def test_moments_from_a_reduction_with_far_pivots_stay_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def far_bands(a: np.ndarray) -> list[_cpu_scan._Band]:
+        return [_cpu_scan._Band(1e6, 2e6, tied=False) for _ in range(3)]
+
+    monkeypatch.setattr(_cpu_scan, "_bands", far_bands)
+    t = torch.randn(200_000, generator=torch.Generator().manual_seed(2))
+    ReductionPlan(default_reducers()).reduce([t])
+    assert _cpu_scan.recall(t) is not None
+    (h,) = compute_histograms([t], bins=30)
+    check(h, t, 30)
+
+
 def test_bad_bins_are_rejected() -> None:
     for bad in (0, -3, 2.5, True, "30"):
         with pytest.raises(ValueError, match="bins"):

@@ -144,27 +144,31 @@ def reduce_large(a: np.ndarray) -> tuple[np.ndarray, Moments]:
     mean_shifted = s1 / nf
     var = s2 / nf - mean_shifted * mean_shifted
     mean = shift + mean_shifted
+    total = s1 + nf * shift
     if mean_shifted * mean_shifted > 1e6 * max(var, 0.0):
-        # The shift was far from the mean (a skewed sample): redo the squares around the mean.
-        var = _centered_squares(a, mean, nonfinite > 0) / nf
+        # The shift was far from the mean (a skewed sample): sum again around the mean.
+        r1, r2 = _centered_sums(a, mean, nonfinite > 0)
+        mean, var, total = mean + r1 / nf, r2 / nf - (r1 / nf) ** 2, nf * mean + r1
     var = max(var, 0.0)
     row[0], row[1], row[2], row[3] = mean, math.sqrt(var), lo_all, hi_all
     row[4:7] = _quartiles(a, nf, bands)
     # sum(x^2) = n (var + mean^2): two non-negative terms, no cancellation.
-    return row, Moments(lo_all, hi_all, nf, nonfinite, s1 + nf * shift, nf * (var + mean * mean))
+    return row, Moments(lo_all, hi_all, nf, nonfinite, total, nf * (var + mean * mean))
 
 
-def _centered_squares(a: np.ndarray, mean: float, has_nonfinite: bool) -> float:
-    total = 0.0
+def _centered_sums(a: np.ndarray, center: float, has_nonfinite: bool) -> tuple[float, float]:
+    """``sum(x - center)`` and ``sum((x - center) ** 2)`` over the finite entries."""
+    s1 = s2 = 0.0
     buf = np.empty(min(_BLOCK, a.size), dtype=np.float64)
     for start in range(0, a.size, _BLOCK):
         c = a[start : start + _BLOCK]
         if has_nonfinite:
             c = c[np.isfinite(c)]
         d = buf[: c.size]
-        np.subtract(c, mean, out=d, dtype=np.float64)
-        total += float(np.einsum("i,i->", d, d))
-    return total
+        np.subtract(c, center, out=d, dtype=np.float64)
+        s1 += float(d.sum())
+        s2 += float(np.einsum("i,i->", d, d))
+    return s1, s2
 
 
 def _quartiles(a: np.ndarray, nf: int, bands: list[_Band] | None) -> list[float]:

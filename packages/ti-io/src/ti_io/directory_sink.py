@@ -133,6 +133,7 @@ class DirectorySink:
         self._buffered_rows = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
 
     @property
     def directory(self) -> Path:
@@ -194,6 +195,7 @@ class DirectorySink:
         )
         self._directory = directory
         self._facts = facts
+        self._pid = os.getpid()
         _live_sinks.add(self)
 
     def write_history(self, batch: pa.RecordBatch) -> None:
@@ -301,8 +303,8 @@ class DirectorySink:
     def _flush_at_exit(self) -> None:
         """Interpreter exit without removal: publish buffered rows as parts (no finalization),
         so ``ti consolidate`` recovers them."""
-        if self._closed or self._writer is None:
-            return
+        if self._closed or self._writer is None or self._pid != os.getpid():
+            return  # a forked child (e.g. a DataLoader worker) owns no writer thread
         self._closed = True
         self._drain(self._writer)
 
