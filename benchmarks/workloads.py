@@ -75,6 +75,7 @@ def build(name: str, device: str = "cpu") -> Workload:
 
     torch.manual_seed(0)
     dev = torch.device(device)
+    model: nn.Module
     if name == "sequence":
         model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)]).to(dev)
         x = torch.randn(2, 128, 128, device=dev)
