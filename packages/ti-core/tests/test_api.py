@@ -22,6 +22,7 @@ from ti_core import (
     MissingProviderError,
     ObserverAlreadyAttachedError,
     RankSelection,
+    Reducer,
     RunInfo,
     TimedSampler,
     has_observer,
@@ -77,6 +78,8 @@ BAD_INPUTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"sink": object()}, TypeError, "Sink protocol"),
     ({"sink": []}, ValueError, "empty"),
     ({"reducers": "mean"}, TypeError, "reducers"),
+    ({"reducers": Reducer("l1", lambda t: t.abs().sum())}, TypeError, r"reducers=\[\*default"),
+    ({"reducers": []}, ValueError, "reducers is empty"),
 ]
 
 

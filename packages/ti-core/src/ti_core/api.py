@@ -162,7 +162,7 @@ def inject_observer(
     policy = resolve.rank_policy(rank_policy)
     target = unwrap_compiled(model)
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
-    plan = ReductionPlan(default_reducers() if reducers is None else list(reducers))
+    plan = ReductionPlan(default_reducers() if reducers is None else reducers)
     sinks = _resolve_sinks(output_dir, sink)
     ranks = resolve.select_rank(policy)
     if not ranks.observe:
