@@ -11,7 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ti_schema import SchemaMismatchError, type_matches, validate_histograms, validate_history
+from ti_schema import (
+    SchemaMismatchError,
+    histogram_schema,
+    history_schema,
+    type_matches,
+    validate_histograms,
+    validate_history,
+)
 from ti_schema.testing import example_histogram_table, example_history_table
 
 CANDIDATE_TYPES = [
@@ -54,9 +61,11 @@ def mutations(draw: st.DrawFn, table: pa.Table) -> Mutation:
         names = [n + suffix if n == column else n for n in schema.names]
         return "extra_column", lambda t: t.rename_columns(names)
     if kind == "retype":
-        wrong = draw(
-            st.sampled_from([t for t in CANDIDATE_TYPES if not type_matches(t, field.type)])
-        )
+        # Wrong relative to the contract, not to the drawn table: a dictionary-encoded column
+        # retyped to plain string is still valid.
+        contract = history_schema() if column in history_schema().names else histogram_schema()
+        expected = contract.field(column).type
+        wrong = draw(st.sampled_from([t for t in CANDIDATE_TYPES if not type_matches(t, expected)]))
         new_field = field.with_type(wrong)
         return "type", lambda t: t.set_column(index, new_field, pa.nulls(t.num_rows, wrong))
     if kind == "nullability":

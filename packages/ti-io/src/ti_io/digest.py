@@ -15,7 +15,7 @@ import polars as pl
 import pyarrow as pa
 
 from ti_io.index_md import HistoryFacts
-from ti_io.result_json import GROUP_KEYS, statistic_exprs
+from ti_io.result_json import GROUP_KEYS, statistic_exprs, window_ranks
 
 _KEYS: Final[list[str]] = list(GROUP_KEYS)
 _UNAVAILABLE_LINES: Final[int] = 40
@@ -121,7 +121,13 @@ class HistoryDigest:
         """One row per (tensor, metric): the columns ``result_json.build_records`` reads."""
         if not self._values:
             return pl.DataFrame()
-        stats = pl.concat(self._values).lazy().group_by("key").agg(*statistic_exprs(window))
+        stats = (
+            pl.concat(self._values)
+            .lazy()
+            .with_columns(window_ranks(["key"]))
+            .group_by("key")
+            .agg(*statistic_exprs(window))
+        )
         reasons = (
             self._reason_facts()
             .lazy()

@@ -44,17 +44,21 @@ AGGREGATES: Final[tuple[str, ...]] = (
 """Numeric aggregates of a statistic, in the order they are written."""
 
 
+def window_ranks(keys: Sequence[str]) -> pl.Expr:
+    """Per row: 1 for the newest observation of its group (by ``sample_id``), 2 for the one
+    before... null for unavailable rows. Feeds :func:`statistic_exprs`; a window function
+    instead of per-group filters keeps every aggregation on Polars' fast path."""
+    observed_ids = pl.when(pl.col("value").is_not_null()).then(pl.col("sample_id"))
+    return observed_ids.rank("ordinal", descending=True).over(list(keys)).alias("_rank")
+
+
 def statistic_exprs(window: int) -> list[pl.Expr]:
-    """Aggregates of ``value`` within one group. Independent of row order: the windows are
-    chosen by ``sample_id`` (sample ids are unique within a group), quantiles are exact with
-    linear interpolation. Short histories get null windows in :func:`statistic`."""
+    """Aggregates of ``value`` within one group, over a frame that has the ``_rank`` column of
+    :func:`window_ranks`. Independent of row order: the windows are chosen by ``sample_id``
+    (unique within a group), quantiles are exact with linear interpolation. Short histories
+    get null windows in :func:`finish_statistics`."""
     value = pl.col("value")
-    available = value.is_not_null()
-    observed = value.filter(available)
-    observed_ids = pl.col("sample_id").filter(available)
-    # First sample id of each window, found by selection (top_k), not by sorting the group.
-    recent_start = observed_ids.top_k(window).min()
-    previous_start = observed_ids.top_k(2 * window).min()
+    rank = pl.col("_rank")
     return [
         value.count().alias("observations"),
         value.null_count().alias("unavailable"),
@@ -65,10 +69,11 @@ def statistic_exprs(window: int) -> list[pl.Expr]:
         value.quantile(0.5, interpolation="linear").alias("p50"),
         value.quantile(0.75, interpolation="linear").alias("p75"),
         value.max().alias("max"),
-        observed.filter((observed_ids >= previous_start) & (observed_ids < recent_start))
+        pl.when((rank > window) & (rank <= 2 * window))
+        .then(value)
         .mean()
         .alias("previous_window_mean"),
-        observed.filter(observed_ids >= recent_start).mean().alias("recent_window_mean"),
+        pl.when(rank <= window).then(value).mean().alias("recent_window_mean"),
     ]
 
 
@@ -76,7 +81,8 @@ def aggregate(history: pl.LazyFrame, window: int) -> pl.LazyFrame:
     """One row per (tensor, metric) with every aggregate of result.json (lazy), straight from
     a history frame; used by readers such as ``ti summary`` on live parts."""
     latest = pl.col("sample_id").arg_max()
-    return history.group_by(list(GROUP_KEYS)).agg(
+    ranked = history.with_columns(window_ranks(GROUP_KEYS))
+    return ranked.group_by(list(GROUP_KEYS)).agg(
         *statistic_exprs(window),
         pl.col("shape").get(latest).alias("latest_shape"),
         pl.col("dtype").get(latest).alias("dtype"),
