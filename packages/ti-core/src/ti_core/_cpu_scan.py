@@ -26,6 +26,9 @@ _BLOCK = 1 << 17
 _SAMPLE_SIZE = 1 << 16
 _SAMPLE_SEED = 0x7149_5EED
 
+_SEARCH_ZEROS = 1 << 13
+"""From this row width on, zeros are counted by binary search in the sorted rows."""
+
 ROW = 10
 """mean, std, min, max, p25, p50, p75, zero_fraction, nonfinite_fraction, finite count."""
 
@@ -200,10 +203,11 @@ def _lerp(a: float, b: float, t: float) -> float:
     return b - diff * (1.0 - t) if t >= 0.5 else a + diff * t
 
 
-def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
+def batched_rows(x: np.ndarray, numel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Default-profile rows (see ``ROW``) of the rows of ``x`` (float32 or float64, NaN-padded;
     the unpadded lengths are ``numel``), one small tensor per row. Sums are in float64.
-    ``x`` is scratch: its rows are sorted in place."""
+    ``x`` is scratch: its rows are sorted in place. Also returns the sorted matrix: the first
+    ``finite count`` entries of each of its rows are that row's finite values, ascending."""
     k, width = x.shape
     f64 = np.float64
     out = np.empty((k, ROW))
@@ -224,9 +228,14 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
             key = np.where(finite, x, x.dtype.type(math.inf))
         out[:, 0] = mean
         out[:, 1] = np.sqrt(np.einsum("ij,ij->i", d, d) / nf)
-        zeros = np.count_nonzero(x == 0, axis=1)
+        if width < _SEARCH_ZEROS:
+            zeros = np.count_nonzero(x == 0, axis=1)
         key.sort(axis=1)  # numpy's SIMD sort, in place: ``x`` is the caller's scratch matrix
         ordered = key
+        if width >= _SEARCH_ZEROS:  # zeros (and -0.0) are one run of each sorted row
+            zeros = np.array(
+                [np.searchsorted(r, 0.0, "right") - np.searchsorted(r, 0.0, "left") for r in key]
+            )
         last = np.maximum(nf - 1.0, 0.0)
         ranks = [last]
         fracs = []
@@ -246,7 +255,7 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> np.ndarray:
         out[:, 7] = zeros / numel
         out[:, 8] = (numel - nf) / numel
         out[:, 9] = nf
-    return out
+    return out, ordered
 
 
 HIST_HEAD = 6
@@ -351,6 +360,37 @@ def _bucket_counts(a: np.ndarray, bins: int, m: Moments, edges: np.ndarray) -> n
     if seen != m.finite:
         return None
     return counts
+
+
+def histogram_sorted(ordered: np.ndarray, m: Moments, bins: int) -> np.ndarray:
+    """Histogram row (as :func:`histogram_large`) of a tensor whose finite values are
+    ``ordered`` (ascending; float32 or float64) and whose moments ``m`` the same reduction
+    produced. Each bucket count is a difference of two binary searches for the float64 edges,
+    so no entry is visited again."""
+    row = np.zeros(HIST_HEAD + 2 * bins + 1)
+    row[:HIST_HEAD] = (m.lo, m.hi, m.finite, m.total, m.squares, m.nonfinite)
+    nf = ordered.size
+    if nf == 0:
+        return row
+    edges = np.linspace(m.lo, m.hi, bins + 1)
+    row[HIST_HEAD : HIST_HEAD + bins + 1] = edges
+    if m.lo == m.hi:
+        row[-1] = nf
+        return row
+    inner: np.ndarray = edges[1:bins]
+    if ordered.dtype == np.float32:
+        # x < e exactly when x < (the smallest float32 >= e), for every float32 x
+        up = inner.astype(np.float32)
+        low = up.astype(np.float64) < inner
+        up[low] = np.nextafter(up[low], np.float32(math.inf))
+        inner = up
+    # bucket j holds edges[j] <= x < edges[j + 1]; the last one also holds the maximum
+    below = np.empty(bins + 1, dtype=np.int64)
+    below[0] = 0
+    below[1:bins] = np.searchsorted(ordered, inner, "left")
+    below[bins] = nf
+    row[HIST_HEAD + bins + 1 :] = np.diff(below)
+    return row
 
 
 def row_moments(row: np.ndarray, numel: int) -> Moments:

@@ -180,23 +180,31 @@ class TensorBatch:
             available = np.asarray(got.available, dtype=np.bool_).reshape(n, m)
             reasons = [list(r) for r in got.reasons]
             self._errors.extend(got.errors)
+            ordered = got.ordered
         except Exception as error:  # reducers promise not to raise; keep the rows if they do
             values = np.full((n, m), np.nan)
             available = np.zeros((n, m), dtype=np.bool_)
             reason = f"reduction failed: {type(error).__name__}: {error}"
             reasons = [[reason] * m for _ in range(n)]
+            ordered = {}
             self._errors.append(error)
         self._values.append(values)
         self._available.append(available)
         self._reasons.extend(reasons)
         self._reduced_slots.extend(slots)
-        focus = [(s, t) for s, t in zip(slots, tensors, strict=True) if self._slot_focus[s]]
+        focus = [
+            (s, t, ordered.get(k))
+            for k, (s, t) in enumerate(zip(slots, tensors, strict=True))
+            if self._slot_focus[s]
+        ]
         if focus:
             try:
                 from ti_core.histograms import compute_histograms
 
-                hists = compute_histograms([t for _, t in focus], bins=self._bins)
-                self._hist.update((s, h) for (s, _), h in zip(focus, hists, strict=True))
+                hists = compute_histograms(
+                    [t for _, t, _ in focus], bins=self._bins, ordered=[o for _, _, o in focus]
+                )
+                self._hist.update((s, h) for (s, _, _), h in zip(focus, hists, strict=True))
             except Exception as error:
                 self._errors.append(error)
 

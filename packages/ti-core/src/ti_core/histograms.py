@@ -47,12 +47,19 @@ def single_value_limit(value: float) -> float:
     return right if right > value and math.isfinite(right) else float(np.nextafter(value, math.inf))
 
 
-def compute_histograms(tensors: Sequence[torch.Tensor], bins: int = 30) -> list[HistogramData]:
+def compute_histograms(
+    tensors: Sequence[torch.Tensor],
+    bins: int = 30,
+    ordered: Sequence[tuple[np.ndarray, _cpu_scan.Moments] | None] | None = None,
+) -> list[HistogramData]:
     """Histograms of ``tensors`` with ``bins`` equal-width buckets over each finite range.
 
     Empty tensors, tensors without finite entries and tensors of dtypes the default profile
     cannot measure (complex, quantized, float8, ...) get an empty histogram (``num=0``, no
-    buckets); their history rows carry the reason.
+    buckets); their history rows carry the reason. ``ordered[i]``, when given, holds the finite
+    values of CPU tensor ``i`` in ascending order and their moments, from the reduction of the
+    same tensor (:attr:`ti_core.reducers.Measurements.ordered`): its histogram is then counted
+    from them without another pass over the tensor.
     """
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}; pass e.g. bins=30")
@@ -66,6 +73,10 @@ def compute_histograms(tensors: Sequence[torch.Tensor], bins: int = 30) -> list[
                 )
             if t.numel() == 0 or unsupported_reason(t) is not None:
                 results[i] = _empty(0)
+                continue
+            done = ordered[i] if ordered is not None and i < len(ordered) else None
+            if done is not None and reducers.uses_numpy(t.device):  # host data: no transfer
+                results[i] = _from_row(_cpu_scan.histogram_sorted(*done, bins), bins)
                 continue
             if reducers.uses_numpy(t.device):
                 known = _cpu_scan.recall(t)

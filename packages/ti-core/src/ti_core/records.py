@@ -6,6 +6,8 @@ repeated per metric with ``take``, values come straight from the reducers' float
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,14 +50,61 @@ class RunColumns:
         object.__setattr__(self, "layer_objects", np.array(self.layer_names, dtype=object))
         object.__setattr__(self, "module_type_objects", np.array(self.module_types, dtype=object))
         object.__setattr__(self, "metric_objects", np.array(self.metric_names, dtype=object))
+        object.__setattr__(self, "_static", {})
+        object.__setattr__(self, "_static_lock", threading.Lock())
 
     layer_objects: np.ndarray = field(init=False)
     module_type_objects: np.ndarray = field(init=False)
     metric_objects: np.ndarray = field(init=False)
+    # Static identity columns of recent entry lists (a training loop repeats the same layers,
+    # calls, shapes and dtypes every sample); bounded, shared by the threads that emit.
+    _static: dict[tuple[object, ...], list[pa.Array]] = field(init=False, repr=False, compare=False)
+    _static_lock: threading.Lock = field(init=False, repr=False, compare=False)
+
+    def metric_column(self, entries: int) -> pa.Array:
+        """The ``metric`` column of ``entries`` entries (metrics in the run's order)."""
+        key: tuple[object, ...] = ("metric", entries)
+        with self._static_lock:
+            hit = self._static.get(key)
+        if hit is not None:
+            return hit[0]
+        n_metrics = len(self.metric_names)
+        index = np.tile(np.arange(n_metrics, dtype=np.int64), entries)
+        column = _strings(self.metric_objects, index)
+        with self._static_lock:
+            if len(self._static) >= _STATIC_MAX:
+                self._static.pop(next(iter(self._static)))
+            self._static[key] = [column]
+        return column
+
+    def static_columns(
+        self, signal: str, entries: Sequence[Entry], repeat: int
+    ) -> tuple[list[pa.Array], np.ndarray]:
+        """Columns that depend only on the entries' identity (all but timestamp, sample and
+        forward index), ``repeat`` rows per entry, and the row-to-entry index."""
+        key = (
+            signal,
+            repeat,
+            tuple(
+                (e.layer, e.call_index, e.path, e.train, e.grad_enabled, e.shape, e.dtype)
+                for e in entries
+            ),
+        )
+        with self._static_lock:
+            hit = self._static.get(key)
+        if hit is not None:
+            return hit[:-1], hit[-1].to_numpy()
+        columns, rep = _static_columns(self, signal, entries, repeat)
+        with self._static_lock:
+            if len(self._static) >= _STATIC_MAX:
+                self._static.pop(next(iter(self._static)))
+            self._static[key] = [*columns, pa.array(rep)]
+        return columns, rep
 
 
 _TIMESTAMP = pa.timestamp("us", tz="UTC")
 _MODE_NAMES = np.array(["eval", "train"], dtype=object)
+_STATIC_MAX = 16
 _SMALL = 512
 """Below this many rows, string columns are built from numpy object arrays (pyarrow's ``take``
 has a fixed dispatch cost); above it, ``take`` on the per-entry array is faster."""
@@ -87,12 +136,36 @@ def _identity(
     entries: Sequence[Entry],
     repeat: int,
 ) -> list[pa.Array]:
+    rows = len(entries) * repeat
+    static, rep = run.static_columns(signal, entries, repeat)
+    run_id, rank, layer, module_type, call, signal_col, path, mode, grad, shapes, dtype = static
+    stamps = np.fromiter((e.timestamp_us for e in entries), dtype=np.int64, count=len(entries))
+    return [
+        run_id,
+        rank,
+        pa.array(np.full(rows, sample_id, dtype=np.int64)),
+        pa.array(np.full(rows, forward_index, dtype=np.int64)),
+        pa.array(stamps[rep] if repeat > 1 else stamps).view(_TIMESTAMP),
+        layer,
+        module_type,
+        call,
+        signal_col,
+        path,
+        mode,
+        grad,
+        shapes,
+        dtype,
+    ]
+
+
+def _static_columns(
+    run: RunColumns, signal: str, entries: Sequence[Entry], repeat: int
+) -> tuple[list[pa.Array], np.ndarray]:
     n = len(entries)
     rows = n * repeat
     rep = np.repeat(np.arange(n, dtype=np.int64), repeat)
     layer = np.fromiter((e.layer for e in entries), dtype=np.int64, count=n)[rep]
     call = np.fromiter((e.call_index for e in entries), dtype=np.int32, count=n)[rep]
-    stamp = np.fromiter((e.timestamp_us for e in entries), dtype=np.int64, count=n)[rep]
     train = np.fromiter((e.train for e in entries), dtype=np.int64, count=n)[rep]
     grad = np.fromiter((e.grad_enabled for e in entries), dtype=np.bool_, count=n)[rep]
     lengths = np.fromiter((len(e.shape) for e in entries), dtype=np.int64, count=n)
@@ -109,12 +182,9 @@ def _identity(
     shapes = pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims[gather], pa.int64()))
     paths = np.array([e.path for e in entries], dtype=object)
     dtypes = np.array([e.dtype for e in entries], dtype=object)
-    return [
+    columns = [
         constant_strings(run.run_id, rows),
         pa.array(np.full(rows, run.rank, dtype=np.int32)),
-        pa.array(np.full(rows, sample_id, dtype=np.int64)),
-        pa.array(np.full(rows, forward_index, dtype=np.int64)),
-        pa.array(stamp).view(_TIMESTAMP),
         _strings(run.layer_objects, layer),
         _strings(run.module_type_objects, layer),
         pa.array(call),
@@ -125,6 +195,7 @@ def _identity(
         shapes,
         _strings(dtypes, rep),
     ]
+    return columns, rep
 
 
 def history_batch(
@@ -161,7 +232,7 @@ def history_batch(
                 else:
                     flat.append(None)
         reason_col = pa.array(flat, pa.string())
-    metric = _strings(run.metric_objects, np.tile(np.arange(n_metrics, dtype=np.int64), n))
+    metric = run.metric_column(n)
     columns = [
         *_identity(run, signal, sample_id, forward_index, entries, n_metrics),
         metric,
@@ -194,8 +265,8 @@ def unavailable_batch(
     )
 
 
-def _optional(value: float | None) -> float | None:
-    return None if value is None else float(value)
+def _concat(parts: list[np.ndarray], dtype: type[np.generic]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 def histogram_batch(
@@ -207,21 +278,36 @@ def histogram_batch(
     histograms: Sequence[HistogramData],
 ) -> pa.RecordBatch:
     """One ``ti.histograms`` row per entry."""
+    limits = [np.asarray(h.bucket_limits, dtype=np.float64) for h in histograms]
+    counts = [np.asarray(h.bucket_counts, dtype=np.int64) for h in histograms]
+    limit_offsets = np.zeros(len(histograms) + 1, dtype=np.int32)
+    np.cumsum([v.size for v in limits], out=limit_offsets[1:])
+    count_offsets = np.zeros(len(histograms) + 1, dtype=np.int32)
+    np.cumsum([c.size for c in counts], out=count_offsets[1:])
+    heads = np.array(
+        [
+            (
+                math.nan if h.min is None else h.min,
+                math.nan if h.max is None else h.max,
+                h.num,
+                h.sum,
+                h.sum_squares,
+                h.nonfinite_count,
+            )
+            for h in histograms
+        ],
+        dtype=np.float64,
+    ).reshape(len(histograms), 6)
+    no_range = np.array([h.min is None for h in histograms], dtype=np.bool_)
     columns = [
         *_identity(run, signal, sample_id, forward_index, entries, 1),
-        pa.array(
-            [np.asarray(h.bucket_limits, dtype=np.float64) for h in histograms],
-            pa.list_(pa.float64()),
-        ),
-        pa.array(
-            [np.asarray(h.bucket_counts, dtype=np.int64) for h in histograms],
-            pa.list_(pa.int64()),
-        ),
-        pa.array([_optional(h.min) for h in histograms], pa.float64()),
-        pa.array([_optional(h.max) for h in histograms], pa.float64()),
+        pa.ListArray.from_arrays(pa.array(limit_offsets), pa.array(_concat(limits, np.float64))),
+        pa.ListArray.from_arrays(pa.array(count_offsets), pa.array(_concat(counts, np.int64))),
+        pa.array(heads[:, 0], pa.float64(), mask=no_range),
+        pa.array(heads[:, 1], pa.float64(), mask=no_range),
         pa.array([int(h.num) for h in histograms], pa.int64()),
-        pa.array([float(h.sum) for h in histograms], pa.float64()),
-        pa.array([float(h.sum_squares) for h in histograms], pa.float64()),
+        pa.array(heads[:, 3]),
+        pa.array(heads[:, 4]),
         pa.array([int(h.nonfinite_count) for h in histograms], pa.int64()),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=run.histogram_schema)

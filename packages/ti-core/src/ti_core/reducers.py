@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -82,6 +82,10 @@ class Measurements:
     available: np.ndarray
     reasons: list[list[str | None]]
     errors: list[BaseException]
+    ordered: dict[int, tuple[np.ndarray, _cpu_scan.Moments]] = field(default_factory=dict)
+    """Finite entries of tensor ``i`` in ascending order and their moments, where the reduction
+    sorted them anyway (small CPU tensors): a histogram of the same tensor is counted from
+    them (:func:`ti_core.histograms.compute_histograms`), without another pass."""
 
 
 # Columns of one default-profile row as computed on device: the metrics in DEFAULT_METRICS
@@ -94,7 +98,8 @@ _LARGE = 1 << 16
 """Tensors with more entries are reduced one by one with selection; smaller ones are batched."""
 
 _REMEMBER = 1 << 12
-"""CPU tensors from this size on leave their moments for a histogram of the same tensor."""
+"""CPU tensors from this size on leave their moments for a later histogram of the same tensor
+(callers that hold :attr:`Measurements.ordered` pass it instead)."""
 
 _BATCH_ELEMENTS = 1 << 20
 """At most this many padded entries per batched matrix, bounding temporary memory."""
@@ -208,7 +213,7 @@ class ReductionPlan:
         available = np.zeros((n, m), dtype=bool)
         reasons: list[list[str | None]] = [[None] * m for _ in range(n)]
         errors: list[BaseException] = []
-        out = _Output(values, available, reasons, errors)
+        out = _Output(values, available, reasons, errors, {})
         with torch.no_grad():
             pending = _Pending()
             if self._default_names:
@@ -216,7 +221,7 @@ class ReductionPlan:
             for col, spec in self._custom:
                 self._run_custom(tensors, col, spec, pending, out)
             pending.transfer(self, tensors, out)
-        return Measurements(values, available, reasons, errors)
+        return Measurements(values, available, reasons, errors, out.ordered)
 
     # -- default profile ---------------------------------------------------------------------
 
@@ -258,7 +263,8 @@ class ReductionPlan:
             for batch in _batches(by_shape):
                 idx = [i for part in batch for i in part]
                 try:
-                    rows = _batched_rows([[tensors[i] for i in part] for part in batch], device)
+                    parts = [[tensors[i] for i in part] for part in batch]
+                    rows = _batched_rows(parts, device, idx, out.ordered)
                 except Exception as exc:
                     self._fail_defaults(out, idx, exc)
                 else:
@@ -325,6 +331,7 @@ class _Output:
     available: np.ndarray
     reasons: list[list[str | None]]
     errors: list[BaseException]
+    ordered: dict[int, tuple[np.ndarray, _cpu_scan.Moments]]
 
 
 def _store_custom(out: _Output, i: int, col: int, name: str, v: float) -> None:
@@ -427,11 +434,17 @@ def _batches(by_shape: dict[tuple[torch.Size, torch.dtype], list[int]]) -> list[
     return batches
 
 
-def _batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
+def _batched_rows(
+    parts: list[list[torch.Tensor]],
+    device: torch.device,
+    idx: Sequence[int] = (),
+    ordered: dict[int, tuple[np.ndarray, _cpu_scan.Moments]] | None = None,
+) -> torch.Tensor:
     """Default-profile rows of same-device small tensors, reduced together in float64.
 
     Each part holds tensors of one shape and dtype; the parts become the rows of one
-    NaN-padded float64 matrix (padding is neither finite nor zero).
+    NaN-padded float64 matrix (padding is neither finite nor zero). On the CPU, the sorted
+    finite entries of the tensor at ``idx[r]`` (row ``r``) and their moments go to ``ordered``.
     """
     widths = [part[0].numel() for part in parts]
     width = max(widths)
@@ -443,20 +456,29 @@ def _batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torc
         )
         x = np.empty((len(lengths), width), dtype=np.float32 if narrow else np.float64)
         row = 0
+        x_dtype = torch.float32 if narrow else torch.float64
         for part, w in zip(parts, widths, strict=True):
-            block = torch.stack(part).detach().reshape(len(part), w)
-            if block.dtype == torch.bfloat16:  # numpy has no bfloat16
-                block = block.float()
-            x[row : row + len(part), :w] = block.numpy()
-            x[row : row + len(part), w:] = math.nan
+            if w == width and part[0].dtype == x_dtype:  # stack straight into the matrix
+                dest = torch.from_numpy(x[row : row + len(part)])
+                torch.stack([t.detach().reshape(w) for t in part], out=dest)
+            else:
+                block = torch.stack(part).detach().reshape(len(part), w)
+                if block.dtype == torch.bfloat16:  # numpy has no bfloat16
+                    block = block.float()
+                x[row : row + len(part), :w] = block.numpy()
+                x[row : row + len(part), w:] = math.nan
             row += len(part)
-        rows = _cpu_scan.batched_rows(x, np.asarray(lengths, dtype=np.float64))
-        if width >= _REMEMBER:
+        rows, keys = _cpu_scan.batched_rows(x, np.asarray(lengths, dtype=np.float64))
+        if ordered is not None or width >= _REMEMBER:
+            finite = rows[:, 9].astype(np.intp).tolist()
             r = 0
             for part, w in zip(parts, widths, strict=True):
                 for t in part:
-                    if w >= _REMEMBER and rows[r, 9] > 0:
-                        _cpu_scan.remember(t, _cpu_scan.row_moments(rows[r], w))
+                    moments = _cpu_scan.row_moments(rows[r], w)
+                    if ordered is not None:
+                        ordered[idx[r]] = (keys[r, : finite[r]], moments)
+                    if w >= _REMEMBER and finite[r] > 0:
+                        _cpu_scan.remember(t, moments)
                     r += 1
         return torch.from_numpy(rows)
     blocks = []

@@ -8,8 +8,11 @@ and aggregates come from a Polars lazy scan of the written file.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import socket
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +38,7 @@ from ti_io.layout import (
     retire_dir,
 )
 from ti_io.parts import dictionary_columns
-from ti_io.result_json import build_records, write_result_json
+from ti_io.result_json import render, write_result_json
 from ti_schema import histogram_schema, history_schema
 
 FINAL_COMPRESSION: Final[str] = "zstd"
@@ -123,12 +126,37 @@ def _producer(facts: RunFacts) -> str:
     return facts.producer or "ti-io (producer unknown)"
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (if enabled) for the duration.
+
+    Finalization allocates tens of thousands of short-lived containers; that triggers a full
+    collection, which walks every object of the training process (0.4 s for the 340,000
+    objects of a 1,000-layer model, more than the finalization itself). Its own objects are
+    freed by reference counting, so pausing avoids the work instead of deferring it. The
+    collector's previous state is restored.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def finalize(directory: Path, facts: RunFacts) -> Consolidated:
     """Write the final artifacts of ``directory`` from its parts, then retire the parts.
 
     Always rebuilds from the parts (none: an empty history), so running it again after an
     interruption gives the same result.
     """
+    with _collector_paused():
+        return _finalize(directory, facts)
+
+
+def _finalize(directory: Path, facts: RunFacts) -> Consolidated:
     history_parts = list_parts(directory / HISTORY_PARTS)
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
     producer = _producer(facts)
@@ -139,10 +167,10 @@ def finalize(directory: Path, facts: RunFacts) -> Consolidated:
     histogram_rows = _stream_parts(
         histogram_parts, directory / HISTOGRAMS_FILE, histogram_schema(producer)
     )
-    records = build_records(
+    text = render(
         facts.layers, digest.aggregated(facts.window), window=facts.window, metrics=facts.metrics
     )
-    write_result_json(directory / RESULT_FILE, records)
+    write_result_json(directory / RESULT_FILE, text)
     write_index(directory, facts, digest.facts(histogram_rows), live=False)
     retire_dir(directory / HISTORY_PARTS)
     retire_dir(directory / HISTOGRAM_PARTS)

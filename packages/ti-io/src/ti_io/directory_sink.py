@@ -32,7 +32,7 @@ from ti_io.layout import (
     remove_run_artifacts,
 )
 from ti_io.parts import PartWriter, WriteFailure
-from ti_io.result_json import build_records, write_result_json
+from ti_io.result_json import render, write_result_json
 from ti_io.tensorboard_sink import EventFileHistograms
 from ti_schema import histogram_schema, history_schema
 
@@ -131,6 +131,8 @@ class DirectorySink:
         self._histogram_schema: pa.Schema | None = None
         self._buffer: list[pa.RecordBatch] = []
         self._buffered_rows = 0
+        self._histograms: list[pa.RecordBatch] = []
+        self._histogram_rows = 0
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
@@ -177,7 +179,7 @@ class DirectorySink:
             write_run_file(directory, facts)
             write_result_json(
                 directory / RESULT_FILE,
-                build_records(facts.layers, None, window=facts.window, metrics=facts.metrics),
+                render(facts.layers, None, window=facts.window, metrics=facts.metrics),
             )
             write_index(directory, facts, None, live=True)
             events = EventFileHistograms(directory / TENSORBOARD_DIR)
@@ -207,23 +209,37 @@ class DirectorySink:
         assert self._history_schema is not None
         _check_schema(batch, self._history_schema, "write_history")
         chunk: list[pa.RecordBatch] | None = None
+        histograms: list[pa.RecordBatch] = []
         with self._lock:
             if batch.num_rows:
                 self._buffer.append(batch)
                 self._buffered_rows += batch.num_rows
             if self._buffered_rows >= self.history_config.buffer_rows:
                 chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
+                histograms = self._take_histograms()
         if chunk:
+            if histograms:  # published with this history part
+                writer.submit_histograms(histograms)
             writer.submit_history(chunk)
         self._raise_failures(writer)
 
     def write_histograms(self, batch: pa.RecordBatch) -> None:
-        """Hand ``batch`` to the writer (TensorBoard now, histogram parts in chunks)."""
+        """Buffer ``batch``; the writer gets the buffered histograms (for TensorBoard and the
+        next histogram part) with each history part, every ``buffer_rows`` histogram rows,
+        and at ``flush``/``close``. Waking the writer per batch cost the training thread
+        more than the buffering."""
         writer = self._require_open("write_histograms")
         assert self._histogram_schema is not None
         _check_schema(batch, self._histogram_schema, "write_histograms")
-        if batch.num_rows:
-            writer.submit_histograms(batch)
+        histograms: list[pa.RecordBatch] = []
+        with self._lock:
+            if batch.num_rows:
+                self._histograms.append(batch)
+                self._histogram_rows += batch.num_rows
+            if self._histogram_rows >= self.history_config.buffer_rows:
+                histograms = self._take_histograms()
+        if histograms:
+            writer.submit_histograms(histograms)
         self._raise_failures(writer)
 
     def flush(self) -> None:
@@ -233,10 +249,7 @@ class DirectorySink:
         ``scan_history``. Raises ArtifactWriteError when a write failed.
         """
         writer = self._require_open("flush")
-        with self._lock:
-            chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
-        if chunk:
-            writer.submit_history(chunk)
+        self._hand_over(writer)
         writer.submit_flush()
         writer.wait_idle()
         self._raise_failures(writer)
@@ -293,11 +306,23 @@ class DirectorySink:
             assert self._directory is not None
             raise _report(self._directory, failures)
 
-    def _drain(self, writer: PartWriter) -> None:
+    def _take_histograms(self) -> list[pa.RecordBatch]:
+        """The buffered histogram batches, emptying the buffer (call under ``_lock``)."""
+        histograms, self._histograms, self._histogram_rows = self._histograms, [], 0
+        return histograms
+
+    def _hand_over(self, writer: PartWriter) -> None:
+        """Give the writer every buffered history row and histogram."""
         with self._lock:
             chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
+            histograms = self._take_histograms()
+        if histograms:
+            writer.submit_histograms(histograms)
         if chunk:
             writer.submit_history(chunk)
+
+    def _drain(self, writer: PartWriter) -> None:
+        self._hand_over(writer)
         writer.stop()
 
     def _flush_at_exit(self) -> None:

@@ -105,9 +105,10 @@ class PartWriter:
         """Queue publication of the pending histograms as a part."""
         self._put(("flush", []))
 
-    def submit_histograms(self, batch: pa.RecordBatch) -> None:
-        """Queue histograms for TensorBoard now and for the next histogram part."""
-        self._put(("histograms", [batch]))
+    def submit_histograms(self, batches: list[pa.RecordBatch]) -> None:
+        """Queue histogram batches for TensorBoard and the next histogram part (blocks when
+        full)."""
+        self._put(("histograms", batches))
 
     def wait_idle(self) -> None:
         """Block until every queued chunk has been handled (published or recorded as failed)."""
@@ -158,9 +159,9 @@ class PartWriter:
         elif kind == "flush":
             self._flush_histograms()
         else:
-            self._write_events(batches[0])
-            self._pending_histograms.append(batches[0])
-            self._pending_histogram_rows += batches[0].num_rows
+            self._write_events(batches)
+            self._pending_histograms += batches
+            self._pending_histogram_rows += sum(b.num_rows for b in batches)
             if self._pending_histogram_rows >= self._histogram_part_rows:
                 self._flush_histograms()
 
@@ -189,14 +190,16 @@ class PartWriter:
         except Exception as exc:
             self._fail(path, exc, rows, "histogram rows")
 
-    def _write_events(self, batch: pa.RecordBatch) -> None:
+    def _write_events(self, batches: list[pa.RecordBatch]) -> None:
         if self._events is None:
             return
         try:
-            self._events.write(batch)
+            for batch in batches:
+                self._events.write(batch)
             self._events.flush()
         except Exception as exc:
-            self._fail(self._events.path, exc, batch.num_rows, "TensorBoard histograms")
+            rows = sum(b.num_rows for b in batches)
+            self._fail(self._events.path, exc, rows, "TensorBoard histograms")
 
     def _close_events(self) -> None:
         if self._events is None:

@@ -188,96 +188,154 @@ def finish_statistics(aggregated: pl.DataFrame, window: int) -> pl.DataFrame:
     )
 
 
-def _signal_order(signal: str) -> int:
-    return SIGNALS.index(signal) if signal in SIGNALS else len(SIGNALS)
+_ENCODE: Final = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+"""Strict JSON (raises ValueError on NaN/Infinity); one line per call, Python's C encoder."""
+_STATISTIC_TEMPLATE: Final[str] = (
+    "%s{" + ", ".join(f"{json.dumps(key)}: %s" for key in STATISTIC_KEYS) + "}"
+)
+
+_TENSOR_TEMPLATE: Final[str] = (
+    '{"call_index": %d, "signal": %s, "tensor_path": %s, "mode": %s, "grad_enabled": %s, '
+    '"latest_shape": %s, "dtype": %s, "statistics": {'
+)
+"""A tensor object up to its statistics, as ``json`` would encode it (key order, separators)."""
 
 
-def _metric_order(metrics: Sequence[str]) -> dict[str, int]:
-    return {name: i for i, name in enumerate(metrics)}
+def _json_values(values: list[Any]) -> list[str]:
+    """JSON text of each value (floats, ints or None), from one C-encoder call: a number or
+    ``null`` never contains ``", "``, so the encoded list splits back into its items."""
+    return _ENCODE(values)[1:-1].split(", ")
 
 
-def build_records(
+def _ordered(finished: pl.DataFrame, layers: Sequence[str], metrics: Sequence[str]) -> pl.DataFrame:
+    """Rows in result.json order: catalog layers in catalog order, then layers only the
+    history names (by name); tensors by call, signal (contract order), path, mode,
+    grad_enabled; metrics in the run's order, then by name."""
+    layer_order = pl.DataFrame(
+        {"layer": list(layers), "_layer": list(range(len(layers)))},
+        schema={"layer": pl.String, "_layer": pl.Int64},
+    )
+    signal_order = pl.DataFrame(
+        {"signal": list(SIGNALS), "_signal": list(range(len(SIGNALS)))},
+        schema={"signal": pl.String, "_signal": pl.Int64},
+    )
+    metric_order = pl.DataFrame(
+        {"metric": list(metrics), "_metric": list(range(len(metrics)))},
+        schema={"metric": pl.String, "_metric": pl.Int64},
+    )
+    return (
+        finished.lazy()
+        .join(layer_order.lazy(), on="layer", how="left")
+        .join(signal_order.lazy(), on="signal", how="left")
+        .join(metric_order.lazy(), on="metric", how="left")
+        .with_columns(
+            pl.col("_layer").fill_null(len(layers)),
+            pl.col("_signal").fill_null(len(SIGNALS)),
+            pl.col("_metric").fill_null(len(metrics)),
+        )
+        .sort(
+            "_layer",
+            "layer",
+            "call_index",
+            "_signal",
+            "tensor_path",
+            "mode",
+            "grad_enabled",
+            "_metric",
+            "metric",
+        )
+        .collect()
+    )
+
+
+def render(
     catalog: Iterable[LayerLike],
     aggregated: pl.DataFrame | None,
     *,
     window: int,
     metrics: Sequence[str] = (),
-) -> list[dict[str, Any]]:
-    """Layer records: every catalog layer in catalog order (executed or not), then any layer
-    that only the history names, each with its tensors and per-metric statistics."""
-    records: dict[str, dict[str, Any]] = {}
+) -> str:
+    """result.json's text: one record per line for every catalog layer in catalog order
+    (executed or not), then any layer that only the history names, each with its tensors and
+    per-metric statistics.
+
+    The 18,000 statistics objects of a 1,000-layer model are formatted from columns (one C
+    encoder call per aggregate column, then one string template per object) rather than
+    built as Python dicts and encoded one by one.
+    """
+    heads: dict[str, tuple[str, list[str]]] = {}
     for info in catalog:
-        if info.name not in records:
-            records[info.name] = {
-                "layer": info.name,
-                "type": info.module_type,
-                "aliases": list(info.aliases),
-                "tensors": [],
-            }
-    if aggregated is None or aggregated.height == 0:
-        return list(records.values())
-    order = _metric_order(metrics)
-    finished = finish_statistics(aggregated, window)
-    tensors: dict[tuple[Any, ...], dict[str, Any]] = {}
-    columns = [*TENSOR_KEYS, "metric", "module_type", "latest_shape", "dtype"]
-    for row, stats in zip(
-        finished.select(columns).iter_rows(),
-        finished.select(STATISTIC_KEYS).iter_rows(),
-        strict=True,
-    ):
-        layer, call_index, signal, tensor_path, mode, grad_enabled, metric = row[:7]
-        module_type, latest_shape, dtype = row[7:]
-        record = records.get(layer)
-        if record is None:
-            record = records[layer] = {
-                "layer": layer,
-                "type": module_type,
-                "aliases": [],
-                "tensors": [],
-            }
-        key = row[:6]
-        tensor = tensors.get(key)
-        if tensor is None:
-            tensor = tensors[key] = {
-                "call_index": int(call_index),
-                "signal": signal,
-                "tensor_path": tensor_path,
-                "mode": mode,
-                "grad_enabled": bool(grad_enabled),
-                "latest_shape": [int(s) for s in latest_shape or []],
-                "dtype": dtype,
-                "statistics": {},
-            }
-            record["tensors"].append(tensor)
-        tensor["statistics"][metric] = dict(zip(STATISTIC_KEYS, stats, strict=True))
-    for record in records.values():
-        record["tensors"].sort(
-            key=lambda t: (
-                t["call_index"],
-                _signal_order(t["signal"]),
-                t["tensor_path"],
-                t["mode"],
-                t["grad_enabled"],
-            )
-        )
-        for tensor in record["tensors"]:
-            stats = tensor["statistics"]
-            tensor["statistics"] = {
-                m: stats[m] for m in sorted(stats, key=lambda m: (order.get(m, len(order)), m))
-            }
-    return list(records.values())
-
-
-def dumps(records: list[dict[str, Any]]) -> str:
-    """Strict JSON text of result.json (raises ValueError on NaN/Infinity): one layer record
-    per line, which keeps Python's C encoder (an ``indent`` would select the slow one) and
-    reads well with ``jq`` or line-oriented tools."""
-    encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
-    if not records:
+        if info.name not in heads:
+            heads[info.name] = (info.module_type, list(info.aliases))
+    tensors: dict[str, list[str]] = {name: [] for name in heads}
+    if aggregated is not None and aggregated.height:
+        rows = _ordered(finish_statistics(aggregated, window), list(heads), metrics)
+        _render_tensors(rows, heads, tensors)
+    lines = [
+        _ENCODE({"layer": name, "type": module_type, "aliases": aliases})[:-1]
+        + ', "tensors": ['
+        + ", ".join(tensors[name])
+        + "]}"
+        for name, (module_type, aliases) in heads.items()
+    ]
+    if not lines:
         return "[]\n"
-    return "[\n" + ",\n".join(encode(r) for r in records) + "\n]\n"
+    return "[\n" + ",\n".join(lines) + "\n]\n"
 
 
-def write_result_json(path: Path, records: list[dict[str, Any]]) -> None:
-    """Publish result.json atomically."""
-    publish_text(path, dumps(records))
+def _render_tensors(
+    rows: pl.DataFrame, heads: dict[str, tuple[str, list[str]]], tensors: dict[str, list[str]]
+) -> None:
+    """Append each tensor's JSON object (rows ordered by :func:`_ordered`) to ``tensors``.
+
+    Few tracked Python objects per row (no dict, list or kept tuple): allocating containers
+    by the ten thousand triggers the garbage collector, which then walks every object of the
+    training process (a 1,000-layer model is a large graph).
+    """
+    # Reasons, metric names: few distinct strings, each encoded once.
+    reason_column = rows.get_column("unavailable_reason").to_list()
+    encoded = {r: "null" if r is None else _ENCODE(r) for r in set(reason_column)}
+    metric_column = rows.get_column("metric").to_list()
+    metric_keys = {m: _ENCODE(m) + ": " for m in set(metric_column)}
+    statistics = [
+        _STATISTIC_TEMPLATE % fields
+        for fields in zip(
+            [metric_keys[m] for m in metric_column],
+            rows.get_column("observations").cast(pl.String).to_list(),
+            rows.get_column("unavailable").cast(pl.String).to_list(),
+            *(_json_values(rows.get_column(key).to_list()) for key in AGGREGATES),
+            [encoded[r] for r in reason_column],
+            strict=True,
+        )
+    ]
+    keys = list(TENSOR_KEYS)
+    changed = pl.any_horizontal([pl.col(k).ne_missing(pl.col(k).shift(1)) for k in keys])
+    changed = changed.fill_null(True)
+    starts = rows.select(changed.arg_true()).to_series().to_list()
+    firsts = rows.filter(changed).select([*keys, "latest_shape", "dtype", "module_type"]).rows()
+    strings: dict[str | None, str] = {}  # signals, paths, modes, dtypes: few distinct values
+    for number, first in enumerate(firsts):
+        layer, call_index, signal, tensor_path, mode, grad_enabled = first[:6]
+        latest_shape, dtype, module_type = first[6:]
+        for text in (signal, tensor_path, mode, dtype):
+            if text not in strings:
+                strings[text] = _ENCODE(text)
+        head = _TENSOR_TEMPLATE % (
+            int(call_index),
+            strings[signal],
+            strings[tensor_path],
+            strings[mode],
+            "true" if grad_enabled else "false",
+            _ENCODE([int(s) for s in latest_shape or []]),
+            strings[dtype],
+        )
+        if layer not in tensors:
+            heads[layer] = (module_type, [])
+            tensors[layer] = []
+        end = starts[number + 1] if number + 1 < len(starts) else len(statistics)
+        tensors[layer].append(head + ", ".join(statistics[starts[number] : end]) + "}}")
+
+
+def write_result_json(path: Path, text: str) -> None:
+    """Publish result.json (the text of :func:`render`) atomically."""
+    publish_text(path, text)

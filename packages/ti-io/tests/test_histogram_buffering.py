@@ -1,0 +1,72 @@
+"""Histograms are buffered on the training thread and handed to the writer with history parts,
+every ``buffer_rows`` histogram rows, and at flush/close; none is lost or duplicated."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _io_helpers import Synth
+
+import ti_io.parts
+from ti_io import DirectorySink, HistoryConfig
+from ti_schema import validate_histograms
+
+
+def _part_rows(directory: Path) -> int:
+    parts = sorted((directory / "histograms.parts").glob("*.parquet"))
+    return sum(pq.read_metadata(p).num_rows for p in parts)
+
+
+def test_histograms_reach_the_writer_only_in_chunks(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = synth()
+    handed: list[int] = []
+    original = ti_io.parts.PartWriter.submit_histograms
+
+    def counting(self: ti_io.parts.PartWriter, batches: list[pa.RecordBatch]) -> None:
+        handed.append(len(batches))
+        original(self, batches)
+
+    monkeypatch.setattr(ti_io.parts.PartWriter, "submit_histograms", counting)
+    # Large history buffer: no history part is due during the 12 samples.
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=10_000, window=3))
+    sink.open(s.run)
+    per_sample = s.histograms(0).num_rows
+    for sample in range(12):
+        sink.write_history(s.history(sample))
+        sink.write_histograms(s.histograms(sample))
+    assert handed == []  # buffered: the writer was not woken per batch
+    assert _part_rows(tmp_path) == 0
+    sink.flush()  # hands over and publishes everything buffered
+    assert handed == [12]
+    assert _part_rows(tmp_path) == 12 * per_sample
+    sink.write_histograms(s.histograms(12))
+    sink.close()
+    final = pq.read_table(tmp_path / "histograms.parquet")
+    validate_histograms(final)
+    assert final.num_rows == 13 * per_sample
+    assert sorted(set(final.column("sample_id").to_pylist())) == list(range(13))
+
+
+def test_histograms_follow_each_history_part(tmp_path: Path, synth: Callable[..., Synth]) -> None:
+    s = synth()
+    per_sample = s.histograms(0).num_rows
+    rows_per_sample = s.history(0).num_rows
+    sink = DirectorySink(
+        tmp_path, history_config=HistoryConfig(buffer_rows=rows_per_sample * 4, window=3)
+    )
+    sink.open(s.run)
+    for sample in range(4):  # the 4th history batch makes a part due
+        sink.write_histograms(s.histograms(sample))
+        sink.write_history(s.history(sample))
+    assert sink._writer is not None
+    sink._writer.wait_idle()
+    assert len(list((tmp_path / "history.parts").glob("*.parquet"))) == 1
+    assert _part_rows(tmp_path) == 4 * per_sample  # published with the history part
+    sink.close()
+    assert pq.read_metadata(tmp_path / "histograms.parquet").num_rows == 4 * per_sample
