@@ -27,6 +27,7 @@ from ti_io.layout import (
 )
 from ti_io.readers import scan_history
 from ti_io.result_json import TENSOR_KEYS, aggregate
+from ti_schema import DEFAULT_METRICS
 
 
 def display_name(name: str) -> str:
@@ -74,7 +75,8 @@ def _summary_frame(directory: Path, metrics: Sequence[str], signals: Sequence[st
     )
     catalog = facts.layers or read_catalog(directory) or ()
     order = {info.name: i for i, info in enumerate(catalog)}
-    metric_order = {m: i for i, m in enumerate(facts.metrics)}
+    # A finalized run no longer holds run.json: fall back to the contract's default order.
+    metric_order = {m: i for i, m in enumerate(facts.metrics or DEFAULT_METRICS)}
     executed = set(table.get_column("layer").to_list())
     missing = [info.name for info in catalog if info.name not in executed]
     table = table.with_columns(
