@@ -3,7 +3,7 @@
 Shared by ``DirectorySink.close`` and by ``consolidate`` (after a crash). The parts are the
 source of truth until they are retired, so a finalization interrupted at any point can simply
 be run again. Memory stays bounded: parts are streamed one at a time into a ``ParquetWriter``
-and aggregates come from a Polars lazy scan of the written file.
+and aggregates come from the compact digest built while streaming (:mod:`ti_io.digest`).
 """
 
 from __future__ import annotations
