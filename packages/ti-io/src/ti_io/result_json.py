@@ -20,6 +20,7 @@ import polars as pl
 from ti_io.facts import LayerLike
 from ti_io.layout import publish_text
 from ti_schema import SIGNALS
+from ti_schema.result_json import AGGREGATE_KEYS
 
 TENSOR_KEYS: Final[tuple[str, ...]] = (
     "layer",
@@ -30,18 +31,8 @@ TENSOR_KEYS: Final[tuple[str, ...]] = (
     "grad_enabled",
 )
 GROUP_KEYS: Final[tuple[str, ...]] = (*TENSOR_KEYS, "metric")
-AGGREGATES: Final[tuple[str, ...]] = (
-    "mean",
-    "std",
-    "min",
-    "p25",
-    "p50",
-    "p75",
-    "max",
-    "previous_window_mean",
-    "recent_window_mean",
-)
-"""Numeric aggregates of a statistic, in the order they are written."""
+AGGREGATES: Final[tuple[str, ...]] = AGGREGATE_KEYS
+"""Numeric aggregates of a statistic, in the order they are written (owned by ti-schema)."""
 
 
 def window_ranks(keys: Sequence[str]) -> pl.Expr:
