@@ -154,3 +154,18 @@ def test_the_ti_command_does_not_import_torch() -> None:
     code = "import sys, ti_io.cli; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"  # `ti validate` starts in about a second, not ten
+
+
+def test_cli_summary_of_a_finalized_run_lists_metrics_in_contract_order(
+    tmp_path: Path, synth: Callable[..., Synth], capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = synth()
+    _interrupted(tmp_path, s, samples=2)
+    assert main(["consolidate", str(tmp_path)]) == 0  # finalized: run.json is gone
+    capsys.readouterr()
+    assert main(["summary", str(tmp_path), "--signal", "output"]) == 0
+    out = capsys.readouterr().out
+    body = out.split("╞", 1)[1]  # skip the header, whose column names repeat metric names
+    cells = [c.strip() for line in body.splitlines() for c in line.split("┆")]
+    first_tensor = [c for c in cells if c in DEFAULT_METRICS][: len(DEFAULT_METRICS)]
+    assert first_tensor == list(DEFAULT_METRICS)
