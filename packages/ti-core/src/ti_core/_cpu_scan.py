@@ -12,6 +12,7 @@ is replaced by an exact ``numpy.partition`` of the finite entries.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -31,6 +32,24 @@ _SEARCH_ZEROS = 1 << 13
 
 ROW = 10
 """mean, std, min, max, p25, p50, p75, zero_fraction, nonfinite_fraction, finite count."""
+
+
+class _Scratch(threading.local):
+    """Per-thread float64 work matrix of :func:`batched_rows`, kept between calls: a fresh
+    megabyte-sized array per call costs more in page faults than the arithmetic on it."""
+
+    buf: np.ndarray | None = None
+
+    def take(self, shape: tuple[int, int]) -> np.ndarray:
+        size = shape[0] * shape[1]
+        if self.buf is None or self.buf.size < size:
+            self.buf = np.empty(max(size, 1 << 16))
+        return self.buf[:size].reshape(shape)
+
+
+_scratch = _Scratch()
+
+_QUANTILE_ARRAY = np.asarray(QUANTILES, dtype=np.float64)[None, :]
 
 
 class _Band:
@@ -218,13 +237,14 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> tuple[np.ndarray, np.ndarr
         if np.isfinite(sums).all():
             nf = np.full(k, float(width))
             mean = sums / width
-            d = x - mean[:, None]
+            d = np.subtract(x, mean[:, None], out=_scratch.take((k, width)))
             key = x
         else:
             finite = np.isfinite(x)
             nf = np.count_nonzero(finite, axis=1).astype(f64)
             mean = np.add.reduce(np.where(finite, x, 0.0), axis=1, dtype=f64) / nf
-            d = np.where(finite, x - mean[:, None], 0.0)
+            d = np.subtract(x, mean[:, None], out=_scratch.take((k, width)))
+            d[~finite] = 0.0
             key = np.where(finite, x, x.dtype.type(math.inf))
         out[:, 0] = mean
         out[:, 1] = np.sqrt(np.einsum("ij,ij->i", d, d) / nf)
@@ -233,25 +253,26 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> tuple[np.ndarray, np.ndarr
         key.sort(axis=1)  # numpy's SIMD sort, in place: ``x`` is the caller's scratch matrix
         ordered = key
         if width >= _SEARCH_ZEROS:  # zeros (and -0.0) are one run of each sorted row
+            # a zero of the rows' own dtype: a Python float would make numpy search a
+            # float64 copy of each row
+            zero = key.dtype.type(0)
             zeros = np.array(
-                [np.searchsorted(r, 0.0, "right") - np.searchsorted(r, 0.0, "left") for r in key]
+                [np.searchsorted(r, zero, "right") - np.searchsorted(r, zero, "left") for r in key]
             )
-        last = np.maximum(nf - 1.0, 0.0)
-        ranks = [last]
-        fracs = []
-        for q in QUANTILES:
-            pos = q * last
-            lo = np.floor(pos)
-            ranks += [lo, np.minimum(lo + 1.0, last)]
-            fracs.append(pos - lo)
-        idx = np.stack(ranks, axis=1).astype(np.intp)
+        # numpy's "linear" quantile: positions q * (n - 1), interpolated between the two
+        # neighbouring order statistics with numpy's ``_lerp`` (exact at both ends)
+        last = np.maximum(nf - 1.0, 0.0)[:, None]
+        pos = last * _QUANTILE_ARRAY
+        lo = np.floor(pos)
+        t = pos - lo
+        idx = np.concatenate([last, lo, np.minimum(lo + 1.0, last)], axis=1).astype(np.intp)
         picked = np.take_along_axis(ordered, idx, axis=1).astype(f64)
+        q = len(QUANTILES)
+        a, b = picked[:, 1 : 1 + q], picked[:, 1 + q :]
+        diff = b - a
         out[:, 2] = ordered[:, 0]
         out[:, 3] = picked[:, 0]
-        for j, t in enumerate(fracs):
-            a, b = picked[:, 1 + 2 * j], picked[:, 2 + 2 * j]
-            diff = b - a
-            out[:, 4 + j] = np.where(t >= 0.5, b - diff * (1.0 - t), a + diff * t)
+        out[:, 4 : 4 + q] = np.where(t >= 0.5, b - diff * (1.0 - t), a + diff * t)
         out[:, 7] = zeros / numel
         out[:, 8] = (numel - nf) / numel
         out[:, 9] = nf

@@ -222,9 +222,25 @@ def inject_observer(
         errors=errors,
         capture_direct_forwards=capture_direct_forwards,
         columns=columns,
+        background=_background_allowed(plan, sinks, errors),
     )
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)
+
+
+def _background_allowed(plan: ReductionPlan, sinks: Sequence[Sink], errors: ErrorPolicy) -> bool:
+    """Whether reductions and writes may leave the training thread (DESIGN §5 step 4).
+
+    Only when nothing the user wrote runs there and nothing must fail on the training thread:
+    the default profile only (a custom reducer is user code), every sink declares
+    ``accepts_background_writes`` (the Sink protocol promises calls on the training thread
+    otherwise), and the error policy is not ``raise`` (which must raise in the training step).
+    """
+    return (
+        plan.default_only
+        and not errors.raises
+        and all(getattr(sink, "accepts_background_writes", False) for sink in sinks)
+    )
 
 
 def remove_observer(model: nn.Module) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from ti_core.context import dtype_name, now_us
 from ti_core.records import Entry
+from ti_core.snapshots import SnapshotPool
 
 if TYPE_CHECKING:
     from ti_core.histograms import HistogramData
@@ -119,8 +120,17 @@ class TensorBatch:
     chains or a parent returning its child's output) is measured once and its row repeated.
     """
 
-    def __init__(self, plan: ReductionPlan, focus: frozenset[int], bins: int = HISTOGRAM_BINS):
+    def __init__(
+        self,
+        plan: ReductionPlan,
+        focus: frozenset[int],
+        bins: int = HISTOGRAM_BINS,
+        pool: SnapshotPool | None = None,
+    ):
         self._plan = plan
+        # Recycled snapshot buffers, only when no user code (a custom reducer) sees them.
+        self._pool = pool if plan.default_only else None
+        self._pooled: list[torch.Tensor] = []
         self._focus = focus
         self._bins = bins
         self._n_metrics = len(plan.metric_names)
@@ -137,9 +147,16 @@ class TensorBatch:
         self._reduced_slots: list[int] = []
         self._errors: list[BaseException] = []
         self._hist: dict[int, HistogramData] = {}
+        self.host_only = True
+        """Every tensor added so far lives in host memory (the emission worker may reduce it)."""
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the snapshots waiting for :meth:`finish`."""
+        return self._bytes
 
     def add(self, entry: Entry, tensor: torch.Tensor) -> None:
         key = id(tensor)
@@ -152,9 +169,17 @@ class TensorBatch:
                 self._slot_focus[slot] = True
         else:
             t = tensor.detach()
+            if t.device.type != "cpu":
+                self.host_only = False
             nbytes = t.numel() * t.element_size()
             fits = self._bytes + nbytes <= SNAPSHOT_BUDGET_BYTES
-            snap = t.clone() if fits else t
+            if not fits:
+                snap = t
+            elif self._pool is not None and SnapshotPool.poolable(t):
+                snap = self._pool.copy(t)
+                self._pooled.append(snap)
+            else:
+                snap = t.clone()
             slot = len(self._slot_focus)
             self._slot_focus.append(focus)
             if version is not None:
@@ -207,6 +232,10 @@ class TensorBatch:
                 self._hist.update((s, h) for (s, _, _), h in zip(focus, hists, strict=True))
             except Exception as error:
                 self._errors.append(error)
+        if self._pool is not None and self._pooled:
+            # every pooled snapshot was pending, and is now reduced: nothing reads it again
+            self._pool.recycle(self._pooled)
+            self._pooled = []
 
     def finish(self) -> Reduced:
         """Reduce what is pending and return every measurement in entry order."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Final, Literal
 
 ErrorPolicyName = Literal["warn", "ignore", "raise"]
@@ -50,6 +52,8 @@ class ErrorPolicy:
         self.name = name
         self._seen: set[tuple[object, str]] = set()
         self._lock = threading.Lock()
+        self._deferring = threading.local()
+        self._deferred: list[str] = []
 
     @property
     def raises(self) -> bool:
@@ -74,14 +78,40 @@ class ErrorPolicy:
         if self.name == "ignore":
             return
         kind = (stage if key is None else key, type(error).__name__)
+        message = (
+            f"ti-core: {stage} failed ({type(error).__name__}: {error}); training continues and "
+            f"{consequence}. Further failures of this kind are not reported again "
+            "(error_policy='warn')."
+        )
         with self._lock:
             if kind in self._seen:
                 return
             self._seen.add(kind)
-        warnings.warn(
-            f"ti-core: {stage} failed ({type(error).__name__}: {error}); training continues and "
-            f"{consequence}. Further failures of this kind are not reported again "
-            "(error_policy='warn').",
-            TelemetryWarning,
-            stacklevel=2,
-        )
+            if getattr(self._deferring, "on", False):
+                self._deferred.append(message)
+                return
+        warnings.warn(message, TelemetryWarning, stacklevel=2)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Within this block (on this thread), warnings wait for :meth:`report_deferred`.
+
+        The emission worker runs under it, so a failure there warns on the training thread,
+        where the user's warning filters and ``catch_warnings`` blocks apply.
+        """
+        self._deferring.on = True
+        try:
+            yield
+        finally:
+            self._deferring.on = False
+
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    def report_deferred(self) -> None:
+        """Emit the warnings deferred so far (call on the training thread)."""
+        with self._lock:
+            messages, self._deferred = self._deferred, []
+        for message in messages:
+            warnings.warn(message, TelemetryWarning, stacklevel=3)

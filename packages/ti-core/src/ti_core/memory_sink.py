@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -14,7 +15,12 @@ class MemorySink:
     """Keeps the batches it receives; ``table()`` and ``histograms()`` concatenate them.
 
     It may be reused by several runs in turn; each run's rows carry their own ``run_id``.
+    Reads include every signal that ended before them, also while an observer reduces and
+    writes on its emission worker.
     """
+
+    accepts_background_writes = True
+    """Writes may come from the observer's emission worker (they append under a lock)."""
 
     def __init__(self) -> None:
         self._history: list[pa.RecordBatch] = []
@@ -24,6 +30,7 @@ class MemorySink:
         """Every RunInfo this sink was opened with, in order."""
         self.open_count = 0
         self.close_count = 0
+        self._barriers: list[Callable[[], None]] = []
 
     @property
     def run(self) -> RunInfo | None:
@@ -51,11 +58,24 @@ class MemorySink:
         with self._lock:
             self.close_count += 1
 
+    def attach_barrier(self, barrier: Callable[[], None]) -> None:
+        """Called by an observer that writes from a background thread: reads first wait for
+        the signals it has queued."""
+        with self._lock:
+            self._barriers.append(barrier)
+
+    def _wait_for_writers(self) -> None:
+        with self._lock:
+            barriers = list(self._barriers)
+        for barrier in barriers:
+            barrier()
+
     def _producer(self) -> str | None:
         return self.run.producer if self.run is not None else None
 
     def table(self) -> pa.Table:
         """Every ``ti.history`` row received so far (an empty table with the schema if none)."""
+        self._wait_for_writers()
         with self._lock:
             batches = list(self._history)
         schema = batches[0].schema if batches else history_schema(self._producer())
@@ -63,6 +83,7 @@ class MemorySink:
 
     def histograms(self) -> pa.Table:
         """Every ``ti.histograms`` row received so far."""
+        self._wait_for_writers()
         with self._lock:
             batches = list(self._histograms)
         schema = batches[0].schema if batches else histogram_schema(self._producer())

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ti_core.capture import (
+    SNAPSHOT_BUDGET_BYTES,
     CallHook,
     GradientState,
     Reduced,
@@ -32,6 +33,7 @@ from ti_core.capture import (
     tensor_leaves,
 )
 from ti_core.context import dtype_name, in_backward, in_reentrant_checkpoint, now_us
+from ti_core.emission import EmissionWorker
 from ti_core.errors import SINK_CONSEQUENCE, ErrorPolicy
 from ti_core.records import (
     Entry,
@@ -42,6 +44,7 @@ from ti_core.records import (
 )
 from ti_core.sampling import Sampler
 from ti_core.sink import RunInfo, Sink
+from ti_core.snapshots import SnapshotPool
 
 if TYPE_CHECKING:
     from ti_core.reducers import ReductionPlan
@@ -103,6 +106,7 @@ class Observer:
         errors: ErrorPolicy,
         capture_direct_forwards: bool,
         columns: RunColumns,
+        background: bool = False,
     ) -> None:
         self.run = run
         self.errors = errors
@@ -125,6 +129,15 @@ class Observer:
         self._installed = False
         self._undo: list[Callable[[], None]] = []
         self._root_handles: list[RemovableHandle] = []
+        self._sinks_closed = False
+        self._pool = SnapshotPool()
+        # Reductions and writes of host tensors run on this worker (None: on the thread whose
+        # forward or backward ended). Started by the first job, closed by ``detach``.
+        self._worker = (
+            EmissionWorker(f"ti-core emission {run.run_id}", max_bytes=SNAPSHOT_BUDGET_BYTES)
+            if background
+            else None
+        )
 
     # Copies of a model (deepcopy, pickle, torch.save) carry no observer: this becomes None.
     def __reduce__(self) -> tuple[type[None], tuple[()]]:
@@ -143,6 +156,25 @@ class Observer:
             root.register_forward_pre_hook(RootPreHook(self), prepend=True),
             root.register_forward_hook(RootPostHook(self), always_call=True),
         ]
+        if self._worker is not None:
+            barrier = _barrier(self)
+            for sink in self._sinks:
+                attach_barrier = getattr(sink, "attach_barrier", None)
+                if attach_barrier is not None:
+                    attach_barrier(barrier)
+
+    @property
+    def emission_thread(self) -> threading.Thread | None:
+        """The thread reducing and writing sampled signals (None: inline, or idle/not started)."""
+        return self._worker.thread if self._worker is not None else None
+
+    def drain(self) -> None:
+        """Wait until every signal that ended so far is reduced and written to the sinks, and
+        report the failures that happened meanwhile (on this thread)."""
+        if self._worker is not None:
+            self._worker.drain()
+        if self.errors.has_deferred:
+            self.errors.report_deferred()
 
     def detach(self) -> list[tuple[Sink, BaseException]]:
         """Remove every hook and override, close every sink once; return close errors."""
@@ -152,8 +184,13 @@ class Observer:
                 handle.remove()
             self._root_handles = []
             self._uninstall_locked()
+        if self._worker is not None:
+            self._worker.close()  # runs every queued signal first: nothing measured is lost
+            if self.errors.has_deferred:
+                self.errors.report_deferred()
         failures: list[tuple[Sink, BaseException]] = []
         with self._emit_lock:
+            self._sinks_closed = True
             for sink in self._sinks:
                 try:
                     sink.close()
@@ -198,6 +235,8 @@ class Observer:
         local.outer = caller
         if self.closed or in_backward():
             return
+        if self.errors.has_deferred:
+            self.errors.report_deferred()
         index = next(self._counter)
         try:
             if not self._sampler.should_sample(index):
@@ -303,30 +342,70 @@ class Observer:
     # ------------------------------------------------------------------ emission
 
     def new_batch(self) -> TensorBatch:
-        return TensorBatch(self._plan, self._focus)
+        return TensorBatch(self._plan, self._focus, pool=self._pool)
 
     def _finish_forward(self, sample: _Sample) -> None:
         if sample.gradients is not None:
             sample.gradients.forward_done()
-        reduced = sample.forward.finish()
-        self._emit("output", sample.sample_id, sample.forward_index, reduced)
-        if sample.gaps:
-            entries = [e for e, _ in sample.gaps]
-            reasons = [r for _, r in sample.gaps]
+        # The job holds only what it emits: the sample's gradient state must stay free to go
+        # with the autograd graph when no backward comes.
+        batch, sample_id, index, gaps = (
+            sample.forward,
+            sample.sample_id,
+            sample.forward_index,
+            sample.gaps,
+        )
+        self._dispatch(
+            batch, lambda: self._emit_forward(batch, sample_id, index, gaps), "forward emission"
+        )
+
+    def _dispatch(self, batch: TensorBatch, job: Callable[[], None], stage: str) -> None:
+        """Run ``job`` (reduce and emit ``batch``) on the emission worker when it can take it,
+        else here; either way after every job dispatched before it."""
+        worker = self._worker
+        if worker is not None:
+            if batch.host_only:
+
+                def background() -> None:
+                    with self.errors.deferred():
+                        try:
+                            job()
+                        except Exception as error:
+                            self.errors.handle(stage, error)
+
+                if worker.submit(background, batch.pending_bytes):
+                    return
+            worker.drain()  # keep the sinks' order: earlier signals first
+        job()
+
+    def _emit_forward(
+        self,
+        forward: TensorBatch,
+        sample_id: int,
+        forward_index: int,
+        gaps: list[tuple[Entry, str]],
+    ) -> None:
+        self._emit("output", sample_id, forward_index, forward.finish())
+        if gaps:
             batch = unavailable_batch(
                 self._columns,
                 "output_gradient",
-                sample.sample_id,
-                sample.forward_index,
-                entries,
-                reasons,
+                sample_id,
+                forward_index,
+                [e for e, _ in gaps],
+                [r for _, r in gaps],
             )
             self._write("history", batch)
 
     def finish_gradients(self, state: GradientState, batch: TensorBatch) -> None:
         """End of a backward that reached ``state``'s sample (autograd engine callback)."""
+        sample_id, index = state.sample_id, state.forward_index
         try:
-            self._emit("output_gradient", state.sample_id, state.forward_index, batch.finish())
+            self._dispatch(
+                batch,
+                lambda: self._emit("output_gradient", sample_id, index, batch.finish()),
+                "gradient emission",
+            )
         except Exception as error:
             self.errors.handle("gradient emission", error)
 
@@ -358,7 +437,7 @@ class Observer:
 
     def _write(self, kind: str, batch: pa.RecordBatch) -> None:
         with self._emit_lock:
-            if self.closed:
+            if self._sinks_closed:
                 return
             for sink in self._sinks:
                 try:
@@ -378,6 +457,21 @@ class Observer:
             key=("sink", id(sink)),
             consequence=SINK_CONSEQUENCE,
         )
+
+
+def _barrier(observer: Observer) -> Callable[[], None]:
+    """What a sink calls before serving reads: waits for the observer's queued signals.
+
+    Holds the observer weakly, so a sink kept after the run does not keep the observer alive.
+    """
+    ref = weakref.ref(observer)
+
+    def barrier() -> None:
+        live = ref()
+        if live is not None and live._worker is not None:
+            live._worker.drain()
+
+    return barrier
 
 
 __all__ = ["ATTRIBUTE", "Observer", "dtype_name"]

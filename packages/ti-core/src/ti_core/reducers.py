@@ -206,6 +206,11 @@ class ReductionPlan:
             )
         self.metric_names: tuple[str, ...] = tuple(names)
 
+    @property
+    def default_only(self) -> bool:
+        """No custom reducer: every metric comes from the built-in default profile."""
+        return not self._custom
+
     def reduce(self, tensors: Sequence[torch.Tensor]) -> Measurements:
         """Measure every tensor with every reducer; never raises for a tensor's content."""
         n, m = len(tensors), len(self.metric_names)

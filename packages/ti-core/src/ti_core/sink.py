@@ -55,6 +55,12 @@ class Sink(Protocol):
     ``write_history`` batches conform to ``ti_schema.history_schema()``; ``write_histograms``
     batches to ``ti_schema.histogram_schema()``. Both are called on the training thread (or the
     thread that ran backward) and must return quickly: slow work belongs on the sink's own worker.
+
+    Optional, for sinks whose writes are thread-safe: a class attribute
+    ``accepts_background_writes = True`` lets the observer reduce and write from its emission
+    worker thread instead (when every sink of the run says so; see ``inject_observer``), and a
+    method ``attach_barrier(barrier)`` receives a callable that waits for the signals the
+    observer has queued: call it before serving reads that must include them.
     """
 
     def open(self, run: RunInfo) -> None:

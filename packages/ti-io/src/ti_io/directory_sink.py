@@ -13,6 +13,7 @@ import contextlib
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -96,6 +97,9 @@ class DirectorySink:
     directory holding a run is refused at ``open``, before anything is touched.
     """
 
+    accepts_background_writes = True
+    """Writes may come from the observer's emission worker (they only buffer under a lock)."""
+
     def __init__(
         self,
         output_dir: str | os.PathLike[str],
@@ -136,6 +140,7 @@ class DirectorySink:
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
+        self._barriers: list[Callable[[], None]] = []
 
     @property
     def directory(self) -> Path:
@@ -151,6 +156,15 @@ class DirectorySink:
         )
 
     # -- Sink protocol ---------------------------------------------------------------------
+
+    def attach_barrier(self, barrier: Callable[[], None]) -> None:
+        """Called by an observer that writes from a background thread: ``flush`` (and the exit
+        flush) first wait for the signals it has queued."""
+        self._barriers.append(barrier)
+
+    def _wait_for_writers(self) -> None:
+        for barrier in self._barriers:
+            barrier()
 
     def open(self, run: RunInfo) -> None:
         """Claim the directory, publish the catalog and index.md, start the writer."""
@@ -249,6 +263,7 @@ class DirectorySink:
         ``scan_history``. Raises ArtifactWriteError when a write failed.
         """
         writer = self._require_open("flush")
+        self._wait_for_writers()
         self._hand_over(writer)
         writer.submit_flush()
         writer.wait_idle()
@@ -330,6 +345,7 @@ class DirectorySink:
         so ``ti consolidate`` recovers them."""
         if self._closed or self._writer is None or self._pid != os.getpid():
             return  # a forked child (e.g. a DataLoader worker) owns no writer thread
+        self._wait_for_writers()
         self._closed = True
         self._drain(self._writer)
 

@@ -156,6 +156,10 @@ class TensorBoardSink:
     belongs to the caller. Scalar history is not written here; it stays in Parquet.
     """
 
+    accepts_background_writes = False
+    """Written on the training thread only: the caller may close its writer as soon as its
+    training loop ends (Lightning does), which a background write could outlive."""
+
     def __init__(self, logger: Any) -> None:
         if not (_is_writer(logger) or hasattr(logger, "experiment")):
             raise TypeError(

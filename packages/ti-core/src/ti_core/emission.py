@@ -1,0 +1,112 @@
+"""The observer's emission worker: reduces and emits sampled signals off the training thread.
+
+DESIGN §5 step 4 allows the reduction to run off the training thread on a snapshot taken at
+the module boundary. The training thread keeps the capture (hooks, snapshots); this worker runs
+the reduction, the histograms, the Arrow batches and the sink writes of each ended signal. On a
+2-core machine the reduction's numpy work (which releases the GIL) then overlaps the model's
+own compute instead of adding to it.
+
+Ownership and lifecycle: one worker per observer (:class:`ti_core.observer.Observer`); its thread
+starts with a job and ends at :meth:`EmissionWorker.close` (``remove_observer``), after running
+every job already submitted, or after ``IDLE_EXIT_S`` without work (the next job starts a new
+one), so an observer dropped without removal leaves no thread behind. One thread runs the jobs
+in submission order, so rows reach the sinks in the order their signals ended. Backpressure:
+:meth:`submit` blocks while the queued jobs hold more snapshot bytes than the budget or more
+than ``max_jobs`` jobs are queued, so memory stays bounded when sampling outpaces the reduction.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Final
+
+MAX_JOBS: Final[int] = 8
+"""Signals queued at most; a sampled step adds two (outputs, then gradients)."""
+IDLE_EXIT_S: Final[float] = 5.0
+"""The thread ends after this long without a job."""
+
+
+class EmissionWorker:
+    """One background thread running the observer's emission jobs, first in, first out."""
+
+    def __init__(self, name: str, max_bytes: int, max_jobs: int = MAX_JOBS) -> None:
+        self._name = name
+        self._max_bytes = max_bytes
+        self._max_jobs = max_jobs
+        self._cond = threading.Condition()
+        self._jobs: deque[tuple[Callable[[], None], int]] = deque()
+        self._bytes = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The worker's thread once started (jobs run there)."""
+        return self._thread
+
+    def submit(self, job: Callable[[], None], nbytes: int) -> bool:
+        """Queue ``job`` (holding ``nbytes`` of snapshots); False once closed (run it inline).
+
+        Blocks while the queue is full (backpressure). A job must handle its own errors.
+        """
+        with self._cond:
+            if self._closed:
+                return False
+            while self._jobs and (
+                len(self._jobs) >= self._max_jobs or self._bytes + nbytes > self._max_bytes
+            ):
+                self._cond.wait()
+                if self._closed:
+                    return False
+            self._jobs.append((job, nbytes))
+            self._bytes += nbytes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._jobs and not self._closed:
+                    self._cond.wait_for(lambda: self._jobs or self._closed, IDLE_EXIT_S)
+                if not self._jobs:
+                    if not self._closed:
+                        self._thread = None  # idle: the next submit starts a fresh thread
+                    return
+                job, nbytes = self._jobs[0]  # stays queued (and counted) until it has run
+            try:
+                job()
+            except BaseException:  # jobs report their own errors; keep the worker alive
+                pass
+            finally:
+                del job  # what a job holds (snapshots) goes as soon as it has run
+                with self._cond:
+                    self._jobs.popleft()
+                    self._bytes -= nbytes
+                    self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (no-op on the worker's own thread)."""
+        if threading.current_thread() is self._thread:
+            return
+        with self._cond:
+            while self._jobs:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Run every queued job, then stop the thread; later submits return False."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
+__all__ = ["MAX_JOBS", "EmissionWorker"]
