@@ -3,12 +3,17 @@
 Every configuration runs in its own fresh process (benchmarks/worker.py) with one intra-op
 thread. Configurations: ``bare`` (no observer), ``unsampled`` (attached; the one sampled first
 forward is in the warmup), ``every`` (AlwaysSampler), ``every`` with ``MemorySink``, and
-``interval`` (the default 60-s TimedSampler over N steps, first sample included). Reports medians,
-ratios to the bare step, removal time, peak RSS and history rows, with the issue's targets and
-PASS/FAIL; writes a CSV (benchmarks/results/<timestamp>.csv unless --output).
+``interval`` (the default 60-s TimedSampler over N steps, first sample included). A workload's
+configurations run in ``--rounds`` interleaved rounds (alternately forward and reversed order),
+a fresh process each per round; a ratio is the median over rounds of the configuration's time
+over the same round's bare time, so a drift of the machine's speed over minutes mostly cancels
+out of it. Reports medians, ratios to the bare step with their spread over rounds, removal time,
+peak RSS and history rows, with the issue's targets and PASS/FAIL; writes a CSV
+(benchmarks/results/<timestamp>.csv unless --output).
 
     python benchmarks/run.py                       # every workload, full plan
-    python benchmarks/run.py --quick               # smoke run
+    python benchmarks/run.py --quick               # smoke run (one round)
+    python benchmarks/run.py --workloads sequence --configs bare,unsampled --rounds 5
     python benchmarks/run.py --workloads sequence,many --repeats 9
     python benchmarks/run.py --device cuda         # synchronized timings, device memory, syncs
 
@@ -21,8 +26,10 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -68,6 +75,16 @@ COLUMNS = (
     "targets",
     "status",
     "error",
+    # Added with --rounds; the columns above keep their meaning (now aggregated over rounds).
+    "rounds",
+    "ratio_min",
+    "ratio_max",
+    "round_ratios",
+    "round_ratios_of_min",
+    "round_step_ms_median",
+    "round_removal_s",
+    "round_history_rows",
+    "note",
 )
 
 
@@ -200,21 +217,145 @@ def _row(run_id: str, spec: dict[str, Any], got: dict[str, Any]) -> dict[str, An
     return row
 
 
-def _apply_ratios(rows: list[dict[str, Any]]) -> None:
-    """Ratio to the same workload's bare step: medians; means for the interval (amortized)."""
-    bare = {(r["workload"], r["device"]): r for r in rows if r["config"] == "bare"}
-    for row in rows:
-        ref = bare.get((row["workload"], row["device"]))
-        if ref is None or row["config"] == "bare" or "step_ms_median" not in row:
+# Per-process figures whose aggregate is the median over rounds (counts: median_low, so the
+# aggregate is a value some round observed).
+_MEDIAN_KEYS = ("removal_s", "inject_s", "peak_rss_mb", "rss_growth_mb", "peak_device_mb")
+_COUNT_KEYS = ("steps_timed", "history_rows", "syncs_per_step")
+# Configurations whose history rows the plan fixes (count-based samplers; finalize's synthetic
+# history). The 60-s interval's depend on the clock, so they may differ between rounds.
+_DETERMINISTIC_ROWS = ("unsampled", "every", "finalize")
+
+
+def round_order(items: list[Any], index: int) -> list[Any]:
+    """The order of round ``index`` (0-based): forward in even rounds, reversed in odd ones.
+
+    A configuration that runs after bare in one round runs before it in the next, so a steady
+    drift of the machine's speed biases its per-round ratios in opposite directions.
+    """
+    return list(items) if index % 2 == 0 else list(reversed(items))
+
+
+def _measured(got: dict[str, Any] | None) -> bool:
+    return got is not None and "error" not in got
+
+
+def combine_rounds(results: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """One configuration's worker results, one per round (None: not run), as one result.
+
+    Step times: median of the rounds' medians, mean of their means (every round times the same
+    blocks), min of their mins. Other figures: median over rounds; ``exact_quartiles`` holds only
+    if every round found them exact. Errors are kept per round; the rounds that measured still
+    count.
+    """
+    done = [got for got in results if got is not None and _measured(got)]
+    errors = [
+        f"round {i + 1}: {got['error']}"
+        for i, got in enumerate(results)
+        if got is not None and not _measured(got)
+    ]
+    combined: dict[str, Any] = {"error": "; ".join(errors)} if errors else {}
+    if not done:
+        return combined
+
+    def present(key: str) -> list[Any]:
+        return [got[key] for got in done if got.get(key) is not None]
+
+    for key, how in (
+        ("step_s_median", statistics.median),
+        ("step_s_mean", statistics.fmean),
+        ("step_s_min", min),
+    ):
+        if values := present(key):
+            combined[key] = how(values)
+    for key in _MEDIAN_KEYS:
+        if values := present(key):
+            combined[key] = statistics.median(values)
+    for key in _COUNT_KEYS:
+        if values := present(key):
+            combined[key] = statistics.median_low(values)
+    if values := present("tensor_mb"):
+        combined["tensor_mb"] = values[0]
+    if values := present("exact_quartiles"):
+        combined["exact_quartiles"] = all(value is True for value in values)
+    if values := present("quartile_abs_err"):
+        combined["quartile_abs_err"] = max(values)
+    return combined
+
+
+def round_ratios(
+    config: str,
+    results: list[dict[str, Any] | None],
+    bare: list[dict[str, Any] | None],
+) -> dict[str, Any]:
+    """Ratio columns of one configuration against bare, round by round.
+
+    Each round's ratio divides the configuration's time by the bare time of the *same* round
+    (time-adjacent processes); ``ratio`` and ``ratio_of_min`` are the medians of those per-round
+    ratios and ``ratio_min``/``ratio_max`` their spread. Medians of block times, or means for
+    ``interval`` (its cost is the amortized one: a median would hide the sampled step).
+    """
+    basis = "mean" if config == "interval" else "median"
+    key = f"step_s_{basis}"
+    ratios: list[float | None] = []
+    of_min: list[float | None] = []
+    for got, ref in zip(results, bare, strict=True):
+        if got is None or ref is None or "error" in got or "error" in ref or key not in got:
+            ratios.append(None)
+            of_min.append(None)
             continue
-        if "step_ms_median" not in ref:
-            continue
-        basis = "mean" if row["config"] == "interval" else "median"
-        row["ratio"] = round(row[f"step_ms_{basis}"] / ref[f"step_ms_{basis}"], 4)
-        row["ratio_basis"] = basis
-        # Fastest block against fastest block: the least load-disturbed comparison (shown
-        # beside the median ratio; the targets use the median).
-        row["ratio_of_min"] = round(row["step_ms_min"] / ref["step_ms_min"], 4)
+        ratios.append(got[key] / ref[key])
+        of_min.append(got["step_s_min"] / ref["step_s_min"])
+    columns: dict[str, Any] = {
+        "round_ratios": ";".join("" if r is None else f"{r:.4f}" for r in ratios),
+        "round_ratios_of_min": ";".join("" if r is None else f"{r:.4f}" for r in of_min),
+    }
+    measured = [r for r in ratios if r is not None]
+    if measured:
+        columns["ratio"] = round(statistics.median(measured), 4)
+        columns["ratio_basis"] = basis
+        columns["ratio_min"] = round(min(measured), 4)
+        columns["ratio_max"] = round(max(measured), 4)
+        columns["ratio_of_min"] = round(statistics.median([r for r in of_min if r is not None]), 4)
+    return columns
+
+
+def _round_columns(config: str, results: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The per-round figures behind the aggregate, ';'-joined in round order ('' = no value)."""
+
+    def joined(key: str, scale: float = 1.0) -> str:
+        if all(got is None or got.get(key) is None for got in results):
+            return ""
+        return ";".join(
+            ""
+            if got is None or got.get(key) is None
+            else (f"{got[key] * scale:.4f}" if isinstance(got[key], float) else str(got[key]))
+            for got in results
+        )
+
+    columns: dict[str, Any] = {
+        "rounds": sum(_measured(got) for got in results),
+        "round_step_ms_median": joined("step_s_median", 1e3),
+        "round_removal_s": joined("removal_s"),
+        "round_history_rows": joined("history_rows"),
+    }
+    rows = {got["history_rows"] for got in results if got and got.get("history_rows") is not None}
+    if config in _DETERMINISTIC_ROWS and len(rows) > 1:
+        columns["note"] = f"history rows differ across rounds: {columns['round_history_rows']}"
+    return columns
+
+
+def aggregate(
+    run_id: str,
+    spec: dict[str, Any],
+    results: list[dict[str, Any] | None],
+    bare: list[dict[str, Any] | None] | None,
+) -> dict[str, Any]:
+    """The CSV/table row of one configuration from its per-round results (and bare's)."""
+    row = _row(run_id, spec, combine_rounds(results))
+    row.update(_round_columns(spec["config"], results))
+    if bare is not None and spec["config"] != "bare":
+        row.update(round_ratios(spec["config"], results, bare))
+    return row
 
 
 def _apply_targets(rows: list[dict[str, Any]]) -> list[tuple[Target, dict[str, Any], str, str]]:
@@ -258,10 +399,24 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec) if spec else str(value)
 
 
+def _sig3(value: float) -> str:
+    """Three significant digits in fixed notation (5.00, 12.9, 144, 1028)."""
+    decimals = 2 - math.floor(math.log10(abs(value))) if value else 2
+    return f"{value:.{max(0, decimals)}f}"
+
+
+def _spread(row: dict[str, Any]) -> str:
+    """The per-round ratios' min-max, or '-' with fewer than two rounds' ratios."""
+    measured = [r for r in str(row.get("round_ratios") or "").split(";") if r]
+    if len(measured) < 2:
+        return "-"
+    return f"{_sig3(row['ratio_min'])}-{_sig3(row['ratio_max'])}"
+
+
 def _print_table(rows: list[dict[str, Any]], checks: list[Any], baseline_ratios: bool) -> None:
     header = (
         f"{'workload':<12}{'impl':<10}{'config':<14}{'sink':<7}{'median ms':>11}{'ratio':>9}"
-        f"{'min-ratio':>10}"
+        f"{'spread':>14}{'min-ratio':>10}"
         f"{'removal s':>11}{'peak RSS MB':>13}{'rows':>10}  note"
     )
     print(header)
@@ -270,7 +425,8 @@ def _print_table(rows: list[dict[str, Any]], checks: list[Any], baseline_ratios:
         ratio = _fmt(r.get("ratio"), ".3f")
         if r.get("ratio_basis") == "mean":
             ratio += "m"
-        note = r.get("error") or ""
+        note = " ".join(filter(None, (r.get("error"), r.get("note"))))
+        note += " " if note else ""
         if r.get("exact_quartiles") not in (None, ""):
             note += f"exact quartiles: {r['exact_quartiles']} "
         if r.get("syncs_per_step") not in (None, ""):
@@ -279,14 +435,16 @@ def _print_table(rows: list[dict[str, Any]], checks: list[Any], baseline_ratios:
             note += f"RSS growth {r.get('rss_growth_mb')} MB"
         print(
             f"{r['workload']:<12}{r['impl']:<10}{r['config']:<14}{r['sink']:<7}"
-            f"{_fmt(r.get('step_ms_median'), '.3f'):>11}{ratio:>9}"
+            f"{_fmt(r.get('step_ms_median'), '.3f'):>11}{ratio:>9}{_spread(r):>14}"
             f"{_fmt(r.get('ratio_of_min'), '.3f'):>10}"
             f"{_fmt(r.get('removal_s'), '.3f'):>11}{_fmt(r.get('peak_rss_mb'), '.0f'):>13}"
             f"{_fmt(r.get('history_rows')):>10}  {note[:60]}"
         )
     print(
-        "(ratio: of medians of per-block step times, 'm': of means, the amortized interval cost;"
-        " min-ratio: fastest block vs fastest bare block, the least load-disturbed view)\n"
+        "(per round: the configuration's median block time over the same round's bare one, 'm':"
+        " means, the amortized interval cost; ratio: the median over rounds, spread: the"
+        " rounds' min-max; min-ratio: fastest block vs fastest bare block, median over rounds;"
+        " median ms, removal s, peak RSS MB, rows: medians over rounds)\n"
     )
     print("Targets (issue 7)")
     width = max((len(c[0].describe()) for c in checks), default=20) + 2
@@ -305,12 +463,17 @@ def _print_table(rows: list[dict[str, Any]], checks: list[Any], baseline_ratios:
             )
             if base is not None:
                 other = f"   {BASELINE}: {_fmt(base.get('ratio'), '.3g')}x"
+        if target.unit == "x" and _spread(row) != "-":
+            other = f"   rounds {_spread(row)}{other}"
         print(f"  {row['workload']:<10}{target.describe():<{width}}{shown:>16}   {status}{other}")
 
 
-def _specs(args: argparse.Namespace, baseline: bool) -> list[dict[str, Any]]:
-    specs: list[dict[str, Any]] = []
+def _specs(args: argparse.Namespace, baseline: bool) -> list[list[dict[str, Any]]]:
+    """The specs of each workload, in the order of its first round (bare first by default)."""
+    groups: list[list[dict[str, Any]]] = []
     for workload in args.workloads:
+        specs: list[dict[str, Any]] = []
+        groups.append(specs)
         if workload == "history":
             rows = args.history_rows or (HISTORY_ROWS_QUICK if args.quick else HISTORY_ROWS)
             specs.append(
@@ -345,7 +508,7 @@ def _specs(args: argparse.Namespace, baseline: bool) -> list[dict[str, Any]]:
                         **plan,
                     }
                 )
-    return specs
+    return groups
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -366,7 +529,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interval-steps", type=int, help="steps of the 60-s interval config")
     parser.add_argument("--warmup", type=int, help="untimed steps before timing")
     parser.add_argument("--history-rows", type=int, help="rows of the history workload")
-    parser.add_argument("--quick", action="store_true", help="tiny plan: a smoke run")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="interleaved rounds per workload, each configuration in a fresh process per round "
+        "(default 3; 1 with --quick)",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny plan and one round: a smoke run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (synchronized timings)")
     parser.add_argument("--output", type=Path, help="CSV path (default benchmarks/results/)")
     parser.add_argument(
@@ -385,6 +554,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.configs:
         if name not in CONFIGS:
             parser.error(f"--configs: unknown {name!r}; choose from {','.join(CONFIGS)}")
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     if "bare" not in args.configs:
         args.configs.insert(0, "bare")  # every ratio needs it
     if args.device.startswith("cuda"):
@@ -409,18 +582,25 @@ def main(argv: list[str] | None = None) -> int:
         f"baseline {BASELINE}: "
         + (f"yes ({args.baseline_python})" if baseline else "not importable, skipped")
     )
+    print(f"{args.rounds} round(s) per workload, alternately in forward and reversed order")
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for spec in _specs(args, baseline):
-        python = args.baseline_python if spec.get("impl") == BASELINE else sys.executable
-        label = f"{spec['workload']}/{spec['config']}/{spec.get('impl')}/{spec.get('sink')}"
-        print(f"  running {label} ...", end="", flush=True)
-        t0 = time.perf_counter()
-        got = _run_worker(python, spec, args.timeout)
-        error = f"  ERROR {got['error']}" if "error" in got else ""
-        print(f" {time.perf_counter() - t0:.1f} s{error}")
-        rows.append(_row(run_id, spec, got))
-    _apply_ratios(rows)
+    for group in _specs(args, baseline):
+        # results[i][r]: the worker result of group[i] in round r (None until it ran).
+        results: list[list[dict[str, Any] | None]] = [[None] * args.rounds for _ in group]
+        for index in range(args.rounds):
+            for i in round_order(list(range(len(group))), index):
+                spec = group[i]
+                python = args.baseline_python if spec.get("impl") == BASELINE else sys.executable
+                label = f"{spec['workload']}/{spec['config']}/{spec.get('impl')}/{spec.get('sink')}"
+                print(f"  round {index + 1}/{args.rounds} {label} ...", end="", flush=True)
+                t0 = time.perf_counter()
+                got = _run_worker(python, spec, args.timeout)
+                error = f"  ERROR {got['error']}" if "error" in got else ""
+                print(f" {time.perf_counter() - t0:.1f} s{error}")
+                results[i][index] = got
+        bare = next((results[i] for i, sp in enumerate(group) if sp["config"] == "bare"), None)
+        rows += [aggregate(run_id, spec, results[i], bare) for i, spec in enumerate(group)]
     checks = _apply_targets(rows)
     print()
     _print_table(rows, checks, baseline)

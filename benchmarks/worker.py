@@ -70,20 +70,37 @@ class _Impl:
     def remove(self, model: torch.nn.Module) -> None:
         self.mod.remove_observer(model)
 
+    def settle(self, model: torch.nn.Module) -> None:
+        """Wait until the work of the steps run so far is done: ti-core reduces and writes
+        sampled signals on its emission worker, which must not be left out of a timed block
+        (nor leak into the next one). torchinstruments 0.8.0 works inline: nothing to wait for.
+        """
+        if self.name == "ti":
+            from ti_core.observer import ATTRIBUTE
+
+            observer = model.__dict__.get(ATTRIBUTE)
+            if observer is not None:
+                observer.drain()
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
-def _time_blocks(step: Any, device: str, steps: int, repeats: int) -> list[float]:
-    """Seconds per step of each of ``repeats`` blocks of ``steps`` steps."""
+def _time_blocks(
+    step: Any, device: str, steps: int, repeats: int, settle: Any = None
+) -> list[float]:
+    """Seconds per step of each of ``repeats`` blocks of ``steps`` steps; ``settle()`` (waiting
+    for the observer's background work of those steps) is inside each block's time."""
     per_step = []
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
         for _ in range(steps):
             step()
+        if settle is not None:
+            settle()
         _sync(device)
         per_step.append((time.perf_counter() - start) / steps)
     return per_step
@@ -157,17 +174,20 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             start = time.perf_counter()
             memory = impl.inject(work.model, config, spec.get("sink", "dir"), out)
             result["inject_s"] = time.perf_counter() - start
+        settle = None if impl is None else (lambda: impl.settle(work.model))
         if config == "interval":
             total = spec["interval_steps"]
             blocks = max(1, min(spec["repeats"], total))
             per_block = total // blocks
-            times = _time_blocks(work.step, device, per_block, blocks)
+            times = _time_blocks(work.step, device, per_block, blocks, settle)
             result["steps_timed"] = per_block * blocks
         else:
             for _ in range(spec["warmup"]):
                 work.step()
+            if settle is not None:
+                settle()  # the warmup's sampled forwards are not part of the timed blocks
             steps = spec["every_steps"] if config == "every" else spec["steps"]
-            times = _time_blocks(work.step, device, steps, spec["repeats"])
+            times = _time_blocks(work.step, device, steps, spec["repeats"], settle)
             result["steps_timed"] = steps * spec["repeats"]
         result["step_s_median"] = statistics.median(times)
         result["step_s_mean"] = statistics.fmean(times)

@@ -1,16 +1,22 @@
 """Smoke test of the benchmark harness itself: it runs end to end and writes the CSV it promises.
 
 No timing is asserted (costs belong to ``nox -s bench``); only that each configuration ran in its
-own worker, produced a measurement, and that the observed ones recorded history rows.
+own worker, produced a measurement, and that the observed ones recorded history rows. How rounds
+combine into ratios is checked on given per-round results against numpy, without timing anything.
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +24,18 @@ RUN = ROOT / "benchmarks" / "run.py"
 
 pytest.importorskip("psutil")
 pytest.importorskip("ti_io")
+
+ROUND_COLUMNS = (
+    "rounds",
+    "ratio_min",
+    "ratio_max",
+    "round_ratios",
+    "round_ratios_of_min",
+    "round_step_ms_median",
+    "round_removal_s",
+    "round_history_rows",
+    "note",
+)
 
 
 def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
@@ -66,6 +84,7 @@ def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
         "targets",
         "status",
         "error",
+        *ROUND_COLUMNS,
     ):
         assert column in columns
     by_config = {(r["config"], r["sink"]): r for r in rows}
@@ -75,10 +94,17 @@ def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
         assert row["error"] == ""
         assert float(row["step_ms_median"]) > 0
         assert float(row["peak_rss_mb"]) > 0
+        assert row["rounds"] == "1"  # --quick: one round
+        assert float(row["round_step_ms_median"]) == pytest.approx(float(row["step_ms_median"]))
     for key in (("unsampled", "dir"), ("every", "memory")):
         observed = by_config[key]
         assert observed["impl"] == "ti"
         assert float(observed["ratio"]) > 0
+        assert float(observed["ratio_of_min"]) > 0
+        # One round: the ratio is that round's, and the spread is that one value.
+        assert float(observed["round_ratios"]) == pytest.approx(float(observed["ratio"]), abs=1e-4)
+        assert float(observed["ratio_min"]) == float(observed["ratio_max"])
+        assert observed["note"] == ""
         assert float(observed["removal_s"]) >= 0
     # Targets are checked on the directory sink (the real artifact path), not on MemorySink.
     assert by_config[("unsampled", "dir")]["status"] in {"PASS", "FAIL"}
@@ -90,3 +116,102 @@ def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
     # unsampled: only the first forward (in the warmup) is sampled.
     assert int(by_config[("unsampled", "dir")]["history_rows"]) == 4 * 2 * 9
     assert "Targets (issue 7)" in done.stdout
+    assert "1 round(s) per workload" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[ModuleType]:
+    """benchmarks/run.py as a module (it puts benchmarks/ on sys.path; restored afterwards)."""
+    saved = list(sys.path)
+    spec = importlib.util.spec_from_file_location("bench_run", RUN)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve annotations through sys.modules
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+        sys.path[:] = saved
+
+
+def _got(median: float, mean: float, low: float, **extra: Any) -> dict[str, Any]:
+    """A worker result as worker.py reports it (seconds per step)."""
+    return {"step_s_median": median, "step_s_mean": mean, "step_s_min": low, **extra}
+
+
+def test_round_order_alternates_forward_and_reversed(harness: ModuleType) -> None:
+    items = ["bare", "unsampled", "every"]
+    assert harness.round_order(items, 0) == items
+    assert harness.round_order(items, 1) == items[::-1]
+    assert harness.round_order(items, 2) == items
+
+
+def test_ratio_is_median_of_same_round_ratios(harness: ModuleType) -> None:
+    # Drift: bare is slow in round 2; a ratio of the medians over rounds would mix rounds.
+    bare_median = np.array([2.0e-3, 3.0e-3, 2.5e-3])
+    bare_min = np.array([1.8e-3, 2.9e-3, 2.4e-3])
+    cfg_median = np.array([2.2e-3, 3.3e-3, 2.4e-3])
+    cfg_min = np.array([2.1e-3, 3.0e-3, 2.3e-3])
+    bare = [_got(m, m, lo) for m, lo in zip(bare_median, bare_min, strict=True)]
+    rounds = [
+        _got(m, m, lo, removal_s=r, peak_rss_mb=p, history_rows=72)
+        for m, lo, r, p in zip(cfg_median, cfg_min, (0.1, 0.3, 0.2), (380, 390, 385), strict=True)
+    ]
+    spec = {
+        "workload": "sequence",
+        "config": "unsampled",
+        "label": "unsampled",
+        "impl": "ti",
+        "sink": "dir",
+    }
+    row = harness.aggregate("run", spec, rounds, bare)
+
+    per_round = cfg_median / bare_median
+    assert row["ratio"] == pytest.approx(float(np.median(per_round)), abs=1e-4)
+    assert row["ratio"] != pytest.approx(float(np.median(cfg_median) / np.median(bare_median)))
+    assert row["ratio_min"] == pytest.approx(float(per_round.min()), abs=1e-4)
+    assert row["ratio_max"] == pytest.approx(float(per_round.max()), abs=1e-4)
+    assert row["ratio_of_min"] == pytest.approx(float(np.median(cfg_min / bare_min)), abs=1e-4)
+    assert [float(r) for r in row["round_ratios"].split(";")] == pytest.approx(per_round, abs=1e-4)
+    assert row["ratio_basis"] == "median"
+    assert row["step_ms_median"] == pytest.approx(float(np.median(cfg_median)) * 1e3, abs=1e-4)
+    assert row["step_ms_min"] == pytest.approx(float(cfg_min.min()) * 1e3, abs=1e-4)
+    assert row["removal_s"] == pytest.approx(0.2)
+    assert row["peak_rss_mb"] == pytest.approx(385)
+    assert row["history_rows"] == 72
+    assert row["rounds"] == 3
+    assert row["round_history_rows"] == "72;72;72"
+    assert row["error"] == ""
+    assert "note" not in row
+
+
+def test_failed_round_and_differing_rows_are_reported(harness: ModuleType) -> None:
+    bare = [_got(2e-3, 2e-3, 2e-3), _got(2e-3, 2e-3, 2e-3), _got(4e-3, 4e-3, 4e-3)]
+    rounds = [
+        _got(2e-3, 3e-3, 2e-3, history_rows=10),
+        {"error": "RuntimeError: boom"},
+        _got(4e-3, 5e-3, 4e-3, history_rows=11),
+    ]
+    spec = {
+        "workload": "sequence",
+        "config": "every",
+        "label": "every",
+        "impl": "ti",
+        "sink": "dir",
+    }
+    row = harness.aggregate("run", spec, rounds, bare)
+    assert row["error"] == "round 2: RuntimeError: boom"
+    assert row["rounds"] == 2
+    assert row["round_ratios"] == "1.0000;;1.0000"
+    assert row["ratio"] == pytest.approx(1.0)
+    assert "history rows differ across rounds: 10;;11" in row["note"]
+    # The interval's ratio is of means (its amortized cost) and its rows follow the clock.
+    interval = harness.aggregate(
+        "run", {**spec, "config": "interval", "label": "interval"}, rounds, bare
+    )
+    assert interval["ratio_basis"] == "mean"
+    assert interval["round_ratios"] == "1.5000;;1.2500"
+    assert interval["ratio"] == pytest.approx(float(np.median([1.5, 1.25])))
+    assert "note" not in interval
