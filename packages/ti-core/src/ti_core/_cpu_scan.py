@@ -383,35 +383,52 @@ def _bucket_counts(a: np.ndarray, bins: int, m: Moments, edges: np.ndarray) -> n
     return counts
 
 
-def histogram_sorted(ordered: np.ndarray, m: Moments, bins: int) -> np.ndarray:
-    """Histogram row (as :func:`histogram_large`) of a tensor whose finite values are
-    ``ordered`` (ascending; float32 or float64) and whose moments ``m`` the same reduction
-    produced. Each bucket count is a difference of two binary searches for the float64 edges,
-    so no entry is visited again."""
-    row = np.zeros(HIST_HEAD + 2 * bins + 1)
-    row[:HIST_HEAD] = (m.lo, m.hi, m.finite, m.total, m.squares, m.nonfinite)
-    nf = ordered.size
-    if nf == 0:
-        return row
-    edges = np.linspace(m.lo, m.hi, bins + 1)
-    row[HIST_HEAD : HIST_HEAD + bins + 1] = edges
-    if m.lo == m.hi:
-        row[-1] = nf
-        return row
-    inner: np.ndarray = edges[1:bins]
-    if ordered.dtype == np.float32:
-        # x < e exactly when x < (the smallest float32 >= e), for every float32 x
+def histograms_sorted(rows: list[tuple[np.ndarray, Moments]], bins: int) -> np.ndarray:
+    """Histogram rows (as :func:`histogram_large`, one per item) of tensors whose finite values
+    are ``ordered`` (ascending; float32 or float64) with the moments ``m`` that the same
+    reduction produced. Each bucket count is a difference of two binary searches for the
+    float64 edges, so no entry is visited again; the edges of all rows are computed together.
+    """
+    k = len(rows)
+    out = np.zeros((k, HIST_HEAD + 2 * bins + 1))
+    if k == 0:
+        return out
+    out[:, :HIST_HEAD] = [(m.lo, m.hi, m.finite, m.total, m.squares, m.nonfinite) for _, m in rows]
+    lo, hi = out[:, 0], out[:, 1]
+    # numpy.linspace(lo, hi, bins + 1) of each row, bit for bit (its scalar formula; a vector
+    # call would switch every row to its zero-step formula as soon as one row has lo == hi)
+    with np.errstate(invalid="ignore", over="ignore"):  # rows without finite values: unused
+        delta = hi - lo
+        step = delta / bins
+        edges = np.arange(bins + 1, dtype=np.float64)[None, :] * step[:, None]
+        edges += lo[:, None]
+        edges[:, -1] = hi
+    for tiny in np.flatnonzero((step == 0) & (delta != 0)):  # a subnormal step: numpy's path
+        edges[tiny] = np.linspace(lo[tiny], hi[tiny], bins + 1)
+    out[:, HIST_HEAD : HIST_HEAD + bins + 1] = edges
+    inner = edges[:, 1:bins]
+    # x < e exactly when x < (the smallest float32 >= e), for every float32 x
+    with np.errstate(over="ignore", invalid="ignore"):
         up = inner.astype(np.float32)
         low = up.astype(np.float64) < inner
         up[low] = np.nextafter(up[low], np.float32(math.inf))
-        inner = up
-    # bucket j holds edges[j] <= x < edges[j + 1]; the last one also holds the maximum
+    counts = out[:, HIST_HEAD + bins + 1 :]
     below = np.empty(bins + 1, dtype=np.int64)
     below[0] = 0
-    below[1:bins] = np.searchsorted(ordered, inner, "left")
-    below[bins] = nf
-    row[HIST_HEAD + bins + 1 :] = np.diff(below)
-    return row
+    for r, (ordered, _) in enumerate(rows):
+        nf = ordered.size
+        if nf == 0:
+            continue
+        if lo[r] == hi[r]:
+            counts[r, -1] = nf
+            continue
+        # bucket j holds edges[j] <= x < edges[j + 1]; the last one also holds the maximum
+        below[1:bins] = np.searchsorted(
+            ordered, up[r] if ordered.dtype == np.float32 else inner[r], "left"
+        )
+        below[bins] = nf
+        counts[r] = np.diff(below)
+    return out
 
 
 def row_moments(row: np.ndarray, numel: int) -> Moments:

@@ -65,6 +65,7 @@ def compute_histograms(
         raise ValueError(f"bins must be a positive int, got {bins!r}; pass e.g. bins=30")
     results: list[HistogramData | None] = [None] * len(tensors)
     pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    counted: list[tuple[int, tuple[np.ndarray, _cpu_scan.Moments]]] = []
     with torch.no_grad():
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
@@ -76,7 +77,7 @@ def compute_histograms(
                 continue
             done = ordered[i] if ordered is not None and i < len(ordered) else None
             if done is not None and reducers.uses_numpy(t.device):  # host data: no transfer
-                results[i] = _from_row(_cpu_scan.histogram_sorted(*done, bins), bins)
+                counted.append((i, done))
                 continue
             if reducers.uses_numpy(t.device):
                 known = _cpu_scan.recall(t)
@@ -85,6 +86,10 @@ def compute_histograms(
             else:
                 row = _device_row(t, bins)
             pending.setdefault(t.device, []).append((i, row))
+        if counted:
+            host_rows = _cpu_scan.histograms_sorted([done for _, done in counted], bins)
+            for (i, _), row in zip(counted, host_rows, strict=True):
+                results[i] = _from_row(row, bins)
         for items in pending.values():
             host = torch.cat([row for _, row in items]).cpu().numpy()  # one transfer per device
             width = 6 + 2 * bins + 1

@@ -269,11 +269,12 @@ class ReductionPlan:
                 idx = [i for part in batch for i in part]
                 try:
                     parts = [[tensors[i] for i in part] for part in batch]
-                    rows = _batched_rows(parts, device, idx, out.ordered)
+                    if uses_numpy(device):
+                        pending.add_host_rows(idx, _host_rows(parts, idx, out.ordered))
+                    else:
+                        pending.add_rows(device, idx, _batched_rows(parts, device))
                 except Exception as exc:
                     self._fail_defaults(out, idx, exc)
-                else:
-                    pending.add_rows(device, idx, rows)
 
     def _fail_defaults(self, out: _Output, idx: list[int], exc: Exception) -> None:
         out.errors.append(exc)
@@ -353,26 +354,33 @@ class _Pending:
 
     def __init__(self) -> None:
         self.rows: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        self.host: list[tuple[list[int], np.ndarray]] = []
         self.retry: set[int] = set()  # large accelerator tensors computed optimistically
         self.custom: dict[torch.device, list[tuple[int, int, str, torch.Tensor]]] = {}
 
     def add_rows(self, device: torch.device, idx: list[int], rows: torch.Tensor) -> None:
         self.rows.setdefault(device, []).append((idx, rows))
 
+    def add_host_rows(self, idx: list[int], rows: np.ndarray) -> None:
+        """Rows already in host memory (numpy reductions): no transfer, no torch calls."""
+        self.host.append((idx, rows))
+
     def add_large(self, i: int, t: torch.Tensor) -> None:
         if uses_numpy(t.device):
             values, moments = _cpu_scan.reduce_large(_flat_float(t).numpy())
             _cpu_scan.remember(t, moments)
-            row = torch.from_numpy(values)
+            self.add_host_rows([i], values.reshape(1, _ROW))
         else:
             row = _large_row_optimistic(_flat_float(t))
             self.retry.add(i)
-        self.add_rows(t.device, [i], row.reshape(1, _ROW))
+            self.add_rows(t.device, [i], row.reshape(1, _ROW))
 
     def add_custom(self, i: int, col: int, name: str, value: torch.Tensor) -> None:
         self.custom.setdefault(value.device, []).append((i, col, name, value))
 
     def transfer(self, plan: ReductionPlan, tensors: Sequence[torch.Tensor], out: _Output) -> None:
+        for idx, block in self.host:
+            plan._fill_default(out, idx, block)
         for device in {*self.rows, *self.custom}:
             groups = self.rows.get(device, [])
             customs = self.custom.get(device, [])
@@ -439,53 +447,60 @@ def _batches(by_shape: dict[tuple[torch.Size, torch.dtype], list[int]]) -> list[
     return batches
 
 
-def _batched_rows(
+def _host_rows(
     parts: list[list[torch.Tensor]],
-    device: torch.device,
     idx: Sequence[int] = (),
     ordered: dict[int, tuple[np.ndarray, _cpu_scan.Moments]] | None = None,
-) -> torch.Tensor:
-    """Default-profile rows of same-device small tensors, reduced together in float64.
+) -> np.ndarray:
+    """Default-profile rows of small CPU tensors, reduced together with numpy in float64.
 
-    Each part holds tensors of one shape and dtype; the parts become the rows of one
-    NaN-padded float64 matrix (padding is neither finite nor zero). On the CPU, the sorted
-    finite entries of the tensor at ``idx[r]`` (row ``r``) and their moments go to ``ordered``.
+    Each part holds tensors of one shape and dtype; the parts become the rows of one NaN-padded
+    matrix (padding is neither finite nor zero). The sorted finite entries of the tensor at
+    ``idx[r]`` (row ``r``) and their moments go to ``ordered``. Tensors of the matrix's dtype
+    are copied in through numpy views: on the emission worker every torch call is a point where
+    the GIL may go to the training thread for a while.
     """
     widths = [part[0].numel() for part in parts]
     width = max(widths)
     lengths = [w for part, w in zip(parts, widths, strict=True) for _ in part]
-    if uses_numpy(device):
-        # Sorting dominates: float32 sorts faster and holds these dtypes' values exactly.
-        narrow = all(
-            part[0].dtype in _EXACT_F32 or part[0].dtype == torch.float32 for part in parts
-        )
-        x = np.empty((len(lengths), width), dtype=np.float32 if narrow else np.float64)
-        row = 0
-        x_dtype = torch.float32 if narrow else torch.float64
+    # Sorting dominates: float32 sorts faster and holds these dtypes' values exactly.
+    narrow = all(part[0].dtype in _EXACT_F32 or part[0].dtype == torch.float32 for part in parts)
+    x = np.empty((len(lengths), width), dtype=np.float32 if narrow else np.float64)
+    row = 0
+    x_dtype = torch.float32 if narrow else torch.float64
+    for part, w in zip(parts, widths, strict=True):
+        if part[0].dtype == x_dtype:
+            for k, t in enumerate(part):
+                x[row + k, :w] = (t.detach() if t.requires_grad else t).numpy().reshape(w)
+        else:
+            block = torch.stack(part).detach().reshape(len(part), w)
+            if block.dtype == torch.bfloat16:  # numpy has no bfloat16
+                block = block.float()
+            x[row : row + len(part), :w] = block.numpy()
+        if w < width:
+            x[row : row + len(part), w:] = math.nan
+        row += len(part)
+    rows, keys = _cpu_scan.batched_rows(x, np.asarray(lengths, dtype=np.float64))
+    if ordered is not None or width >= _REMEMBER:
+        finite = rows[:, 9].astype(np.intp).tolist()
+        r = 0
         for part, w in zip(parts, widths, strict=True):
-            if w == width and part[0].dtype == x_dtype:  # stack straight into the matrix
-                dest = torch.from_numpy(x[row : row + len(part)])
-                torch.stack([t.detach().reshape(w) for t in part], out=dest)
-            else:
-                block = torch.stack(part).detach().reshape(len(part), w)
-                if block.dtype == torch.bfloat16:  # numpy has no bfloat16
-                    block = block.float()
-                x[row : row + len(part), :w] = block.numpy()
-                x[row : row + len(part), w:] = math.nan
-            row += len(part)
-        rows, keys = _cpu_scan.batched_rows(x, np.asarray(lengths, dtype=np.float64))
-        if ordered is not None or width >= _REMEMBER:
-            finite = rows[:, 9].astype(np.intp).tolist()
-            r = 0
-            for part, w in zip(parts, widths, strict=True):
-                for t in part:
-                    moments = _cpu_scan.row_moments(rows[r], w)
-                    if ordered is not None:
-                        ordered[idx[r]] = (keys[r, : finite[r]], moments)
-                    if w >= _REMEMBER and finite[r] > 0:
-                        _cpu_scan.remember(t, moments)
-                    r += 1
-        return torch.from_numpy(rows)
+            for t in part:
+                moments = _cpu_scan.row_moments(rows[r], w)
+                if ordered is not None:
+                    ordered[idx[r]] = (keys[r, : finite[r]], moments)
+                if w >= _REMEMBER and finite[r] > 0:
+                    _cpu_scan.remember(t, moments)
+                r += 1
+    return rows
+
+
+def _batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """Default-profile rows of same-device small accelerator tensors, reduced together in
+    float64 on the device (see :func:`_host_rows` for the layout)."""
+    widths = [part[0].numel() for part in parts]
+    width = max(widths)
+    lengths = [w for part, w in zip(parts, widths, strict=True) for _ in part]
     blocks = []
     for part, w in zip(parts, widths, strict=True):
         block = torch.stack(part).detach().reshape(len(part), w).to(torch.float64)
