@@ -17,7 +17,9 @@ than ``max_jobs`` jobs are queued, so memory stays bounded when sampling outpace
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Final
@@ -40,6 +42,15 @@ class EmissionWorker:
         self._bytes = 0
         self._thread: threading.Thread | None = None
         self._closed = False
+        _live.add(self)
+
+    def _reset_in_child(self) -> None:
+        # A forked child has no worker thread, and the lock may have been held at the fork;
+        # jobs queued before the fork belong to the parent, which runs them.
+        self._cond = threading.Condition()
+        self._jobs = deque()
+        self._bytes = 0
+        self._thread = None
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -107,6 +118,18 @@ class EmissionWorker:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+_live: weakref.WeakSet[EmissionWorker] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for worker in list(_live):
+        worker._reset_in_child()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; spawned processes start clean anyway
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 __all__ = ["MAX_JOBS", "EmissionWorker"]

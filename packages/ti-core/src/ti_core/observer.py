@@ -10,6 +10,7 @@ Per-thread state (nesting depth, the current sample) lives in a ``threading.loca
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -138,6 +139,8 @@ class Observer:
             if background
             else None
         )
+        if background:
+            _with_worker.add(self)
 
     # Copies of a model (deepcopy, pickle, torch.save) carry no observer: this becomes None.
     def __reduce__(self) -> tuple[type[None], tuple[()]]:
@@ -457,6 +460,20 @@ class Observer:
             key=("sink", id(sink)),
             consequence=SINK_CONSEQUENCE,
         )
+
+
+_with_worker: weakref.WeakSet[Observer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # The emission worker may have held the sink lock at the fork; no other thread exists in
+    # the child, so a fresh lock is safe (the worker resets its own state, see emission.py).
+    for observer in list(_with_worker):
+        observer._emit_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _barrier(observer: Observer) -> Callable[[], None]:
