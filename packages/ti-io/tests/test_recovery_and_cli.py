@@ -148,6 +148,89 @@ def test_finalize_streams_parts_into_bounded_row_groups(
     assert final.read().equals(in_parts)  # same rows, same order as the parts
 
 
+def test_final_files_read_back_exactly_as_parts_written_from_strings(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finalization writes the strings dictionary-encoded and records the contract's schema in
+    the footer itself: the files must read back as if plain strings had been written (the
+    parts were, by pq.write_table)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ti_schema import validate_histograms, validate_history
+
+    consolidate_module = sys.modules["ti_io.consolidate"]
+    monkeypatch.setattr(consolidate_module, "ROW_GROUP_ROWS", 30)  # several row groups
+    s = synth(empty_every=3)
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=36, window=2))
+    sink.open(s.run)
+    for i in range(12):
+        sink.write_history(s.history(i, dictionary=i % 2 == 0))
+        sink.write_histograms(s.histograms(i))
+    sink.flush()
+    written = {}
+    for name in ("history", "histograms"):
+        parts = sorted((tmp_path / f"{name}.parts").glob("part-*.parquet"))
+        written[name] = (
+            pq.ParquetFile(parts[0]),
+            pa.concat_tables(pq.read_table(p) for p in parts),
+        )
+    sink.close()
+    for name, (part, rows) in written.items():
+        final = pq.ParquetFile(tmp_path / f"{name}.parquet")
+        assert final.metadata.num_row_groups > 1
+        assert final.metadata.metadata == part.metadata.metadata  # ARROW:schema and ti
+        assert final.schema.equals(part.schema)  # Parquet types
+        assert final.schema_arrow.equals(part.schema_arrow, check_metadata=True)
+        table = final.read()
+        assert table.equals(rows, check_metadata=True)
+        assert not any(pa.types.is_dictionary(f.type) for f in table.schema)
+        (validate_history if name == "history" else validate_histograms)(table)
+
+
+def test_digest_groups_dictionary_encoded_rows_like_plain_strings() -> None:
+    """Row groups of dictionary-encoded strings (several dictionaries, or one that repeats a
+    value) give the digest of the same rows as plain strings."""
+    import pyarrow as pa
+    from polars.testing import assert_frame_equal
+
+    from ti_io.digest import HistoryDigest
+    from ti_io.result_json import GROUP_KEYS
+    from ti_schema.testing import example_history_table
+
+    plain = example_history_table(540)
+    encoded = example_history_table(540, dictionary=True)
+    layer = plain.schema.get_field_index("layer")
+    # One dictionary naming each layer twice; odd samples use the second copy.
+    names = plain.column(layer).to_pylist()
+    samples = plain.column("sample_id").to_pylist()
+    dictionary = sorted(set(names))
+    indices = [
+        dictionary.index(n) + len(dictionary) * (s % 2) for n, s in zip(names, samples, strict=True)
+    ]
+    repeated = pa.DictionaryArray.from_arrays(pa.array(indices, pa.int32()), dictionary * 2)
+    repeats = plain.set_column(
+        layer, plain.schema.field(layer).with_type(repeated.type), [repeated]
+    )
+
+    def digest(tables: list[pa.Table]) -> HistoryDigest:
+        result = HistoryDigest()
+        for table in tables:
+            result.add(table)
+        return result
+
+    reference = digest([plain.slice(0, 200), plain.slice(200)])
+    for tables in (
+        [pa.concat_tables([encoded.slice(0, 100), encoded.slice(100, 100)]), encoded.slice(200)],
+        [repeats.slice(0, 200), repeats.slice(200)],
+    ):
+        candidate = digest(tables)
+        for window in (2, 5):
+            expected = reference.aggregated(window).drop("key").sort(GROUP_KEYS)
+            assert_frame_equal(candidate.aggregated(window).drop("key").sort(GROUP_KEYS), expected)
+        assert candidate.facts(3) == reference.facts(3)
+
+
 def test_the_ti_command_does_not_import_torch() -> None:
     import subprocess
 
