@@ -393,9 +393,13 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=MAIN_PYTHON, download_python="never", default=False)
 def bench(session: nox.Session) -> None:
-    """The benchmark harness (benchmarks/run.py); arguments after `--` go to it."""
+    """The benchmark harness (benchmarks/run.py; arguments after `--` go to it), then the
+    in-process measurement of the attached-but-unsampled cost (benchmarks/unsampled_overhead.py):
+    the 1.02x / 1.05x targets are finer than separate processes resolve on a shared machine."""
     script = ROOT / "benchmarks" / "run.py"
     if not script.exists():
         session.error("benchmarks/run.py does not exist yet")
     _install(session, *BENCH_TOOLS, *_source_args(("ti-schema", "ti-core", "ti-io", "ti-dist")))
     session.run("python", str(script), *session.posargs)
+    # exits 1 when a target fails; a benchmark run reports, it does not fail the session
+    session.run("python", str(ROOT / "benchmarks" / "unsampled_overhead.py"), success_codes=[0, 1])
