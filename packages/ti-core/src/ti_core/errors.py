@@ -78,18 +78,19 @@ class ErrorPolicy:
         if self.name == "ignore":
             return
         kind = (stage if key is None else key, type(error).__name__)
+        with self._lock:
+            if kind in self._seen:
+                return
+            self._seen.add(kind)
         message = (
             f"ti-core: {stage} failed ({type(error).__name__}: {error}); training continues and "
             f"{consequence}. Further failures of this kind are not reported again "
             "(error_policy='warn')."
         )
-        with self._lock:
-            if kind in self._seen:
-                return
-            self._seen.add(kind)
-            if getattr(self._deferring, "on", False):
+        if getattr(self._deferring, "on", False):
+            with self._lock:
                 self._deferred.append(message)
-                return
+            return
         warnings.warn(message, TelemetryWarning, stacklevel=2)
 
     @contextmanager

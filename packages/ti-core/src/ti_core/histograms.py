@@ -75,11 +75,11 @@ def compute_histograms(
             if t.numel() == 0 or unsupported_reason(t) is not None:
                 results[i] = _empty(0)
                 continue
-            done = ordered[i] if ordered is not None and i < len(ordered) else None
-            if done is not None and reducers.uses_numpy(t.device):  # host data: no transfer
-                counted.append((i, done))
-                continue
             if reducers.uses_numpy(t.device):
+                done = ordered[i] if ordered is not None and i < len(ordered) else None
+                if done is not None:  # sorted by the reduction: counted from it, no pass
+                    counted.append((i, done))
+                    continue
                 known = _cpu_scan.recall(t)
                 flat = _flat_float(t).numpy()
                 row = torch.from_numpy(_cpu_scan.histogram_large(flat, bins, known))

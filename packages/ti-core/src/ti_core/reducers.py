@@ -99,7 +99,7 @@ _LARGE = 1 << 16
 
 _REMEMBER = 1 << 12
 """CPU tensors from this size on leave their moments for a later histogram of the same tensor
-(callers that hold :attr:`Measurements.ordered` pass it instead)."""
+by a caller that does not pass :attr:`Measurements.ordered` to ``compute_histograms``."""
 
 _BATCH_ELEMENTS = 1 << 20
 """At most this many padded entries per batched matrix, bounding temporary memory."""
@@ -449,8 +449,8 @@ def _batches(by_shape: dict[tuple[torch.Size, torch.dtype], list[int]]) -> list[
 
 def _host_rows(
     parts: list[list[torch.Tensor]],
-    idx: Sequence[int] = (),
-    ordered: dict[int, tuple[np.ndarray, _cpu_scan.Moments]] | None = None,
+    idx: Sequence[int],
+    ordered: dict[int, tuple[np.ndarray, _cpu_scan.Moments]],
 ) -> np.ndarray:
     """Default-profile rows of small CPU tensors, reduced together with numpy in float64.
 
@@ -481,17 +481,15 @@ def _host_rows(
             x[row : row + len(part), w:] = math.nan
         row += len(part)
     rows, keys = _cpu_scan.batched_rows(x, np.asarray(lengths, dtype=np.float64))
-    if ordered is not None or width >= _REMEMBER:
-        finite = rows[:, 9].astype(np.intp).tolist()
-        r = 0
-        for part, w in zip(parts, widths, strict=True):
-            for t in part:
-                moments = _cpu_scan.row_moments(rows[r], w)
-                if ordered is not None:
-                    ordered[idx[r]] = (keys[r, : finite[r]], moments)
-                if w >= _REMEMBER and finite[r] > 0:
-                    _cpu_scan.remember(t, moments)
-                r += 1
+    finite = rows[:, 9].astype(np.intp).tolist()
+    r = 0
+    for part, w in zip(parts, widths, strict=True):
+        for t in part:
+            moments = _cpu_scan.row_moments(rows[r], w)
+            ordered[idx[r]] = (keys[r, : finite[r]], moments)
+            if w >= _REMEMBER and finite[r] > 0:
+                _cpu_scan.remember(t, moments)
+            r += 1
     return rows
 
 
