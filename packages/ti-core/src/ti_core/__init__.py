@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from ti_core.api import has_observer, inject_observer, observe, observer_of, remove_observer
-from ti_core.errors import MissingProviderError, ObserverAlreadyAttachedError, TelemetryWarning
+from ti_core.errors import (
+    ErrorPolicyName,
+    MissingProviderError,
+    ObserverAlreadyAttachedError,
+    TelemetryWarning,
+)
 from ti_core.memory_sink import MemorySink
 from ti_core.ranks import RankPolicy, RankSelection
 from ti_core.reduction.plan import DefaultProfile, Reducer, default_reducers
@@ -14,6 +19,7 @@ from ti_core.sink import LayerInfo, RunInfo, Sink
 __all__ = [
     "AlwaysSampler",
     "DefaultProfile",
+    "ErrorPolicyName",
     "EveryNForwardsSampler",
     "LayerInfo",
     "MemorySink",

@@ -12,14 +12,14 @@ from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from os import PathLike
-from typing import Any, Final
+from typing import Final, TypedDict, Unpack
 
 from torch import nn
 
 from ti_core import resolve
 from ti_core.capture.hooks import scrub_copied_hooks
 from ti_core.emission.sinks import sink_capabilities
-from ti_core.errors import ErrorPolicy, ObserverAlreadyAttachedError
+from ti_core.errors import ErrorPolicy, ErrorPolicyName, ObserverAlreadyAttachedError
 from ti_core.observer import Observer
 from ti_core.ranks import RankPolicy
 from ti_core.records import RunColumns
@@ -138,7 +138,7 @@ def inject_observer(
     histogram_selector: Selector | Collection[str] | None = None,
     max_histogram_modules: int = 8,
     rank_policy: str | RankPolicy = "rank0",
-    error_policy: str = "warn",
+    error_policy: ErrorPolicyName = "warn",
     capture_direct_forwards: bool = False,
 ) -> None:
     """Attach an observer that records selected modules' outputs and output gradients.
@@ -280,8 +280,24 @@ def remove_observer(model: nn.Module) -> None:
         observer.sinks.report(sink, "closing", error)
 
 
+class ObserverOptions(TypedDict, total=False):
+    """The keyword options of :func:`inject_observer`, as :func:`observe` takes them."""
+
+    output_dir: str | PathLike[str] | None
+    sink: Sink | Sequence[Sink] | None
+    sampler: Sampler | None
+    interval: timedelta | float
+    selector: Selector | None
+    reducers: Sequence[ReducerSpec] | None
+    histogram_selector: Selector | Collection[str] | None
+    max_histogram_modules: int
+    rank_policy: str | RankPolicy
+    error_policy: ErrorPolicyName
+    capture_direct_forwards: bool
+
+
 @contextmanager
-def observe(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
+def observe(model: nn.Module, **options: Unpack[ObserverOptions]) -> Iterator[nn.Module]:
     """``with observe(model, sink=MemorySink()): train(model)``: inject on enter, remove on exit."""
     inject_observer(model, **options)
     try:
