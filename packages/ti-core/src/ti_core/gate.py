@@ -120,6 +120,11 @@ class Gate:
         return self._state
 
     @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (final)."""
+        return self._state is _CLOSED
+
+    @property
     def in_flight(self) -> int:
         """Sampled root forwards running now, on any thread."""
         return self._in_flight

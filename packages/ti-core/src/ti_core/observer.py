@@ -101,7 +101,7 @@ class Observer:
     @property
     def closed(self) -> bool:
         """True once removed: nothing is recorded or written any more."""
-        return self.gate.state is GateState.CLOSED
+        return self.gate.closed
 
     @property
     def emission_thread(self) -> threading.Thread | None:
