@@ -76,9 +76,7 @@ class _Impl:
         (nor leak into the next one). torchinstruments 0.8.0 works inline: nothing to wait for.
         """
         if self.name == "ti":
-            from ti_core.observer import ATTRIBUTE
-
-            observer = model.__dict__.get(ATTRIBUTE)
+            observer = self.mod.observer_of(model)
             if observer is not None:
                 observer.drain()
 

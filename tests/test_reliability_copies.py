@@ -47,13 +47,16 @@ COPIES = {
 
 
 def _leftovers(model: nn.Module) -> list[tuple[str, int, int, bool, bool]]:
+    """Per module: forward hooks, pre-hooks, an instance ``forward``, and whether its
+    ``__dict__`` holds keys that a never-observed model of the same build lacks."""
+    pristine = {n: set(m.__dict__) for n, m in _model().named_modules()}
     return [
         (
             n,
             len(m._forward_hooks),
             len(m._forward_pre_hooks),
             "forward" in m.__dict__,
-            "_ti_observer" in m.__dict__,
+            bool(set(m.__dict__) - pristine[n]),
         )
         for n, m in model.named_modules()
     ]

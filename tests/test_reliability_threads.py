@@ -20,9 +20,12 @@ from ti_core import (
     MemorySink,
     TelemetryWarning,
     inject_observer,
+    observer_of,
     remove_observer,
 )
-from ti_core.observer import ATTRIBUTE, Observer
+from ti_core.capture.sample import Sample
+from ti_core.gate import GateState
+from ti_core.observer import Observer
 from ti_schema.testing import assert_history_conforms
 
 THREADS = 4
@@ -157,14 +160,14 @@ def test_unsampled_threads_do_no_per_module_work(monkeypatch: pytest.MonkeyPatch
     model = nn.Sequential(lin, act)
     model.add_module("probe", probe)
     records: dict[str, int] = {}
-    original = Observer._record
+    original = Sample.record
 
-    def counting_record(self: Observer, *args: Any, **kwargs: Any) -> None:
+    def counting_record(self: Sample, *args: Any, **kwargs: Any) -> None:
         name = threading.current_thread().name
         records[name] = records.get(name, 0) + 1
         original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Observer, "_record", counting_record)
+    monkeypatch.setattr(Sample, "record", counting_record)
     sink = MemorySink()
     inject_observer(model, sink=sink, sampler=ByThreadName())
     before = _hooks(model)
@@ -225,8 +228,8 @@ class Exploding(nn.Module):
 
 
 def _observer(model: nn.Module) -> Observer:
-    observer = model.__dict__[ATTRIBUTE]
-    assert isinstance(observer, Observer)
+    observer = observer_of(model)
+    assert observer is not None
     return observer
 
 
@@ -237,6 +240,7 @@ def test_exception_mid_forward_leaves_no_state_and_next_forward_is_observed(
     torch.manual_seed(0)
     model = Exploding()
     pristine = _hooks(model)
+    pristine_attributes = set(model.__dict__)
     out = tmp_path / "stats"
     inject_observer(model, output_dir=out, sampler=EveryNForwardsSampler(2), error_policy=policy)
     observer = _observer(model)
@@ -247,18 +251,19 @@ def test_exception_mid_forward_leaves_no_state_and_next_forward_is_observed(
         model.armed = True
         with pytest.raises(ValueError, match="middle of the forward"):
             model(x)  # forward 0: sampled, raises after first and inner ran
-        assert observer._local.sample is None
-        assert observer._local.depth == 0
-        assert observer._active == 0
+        assert observer.gate.current_sample is None
+        assert observer.gate.depth == 0
+        assert observer.gate.in_flight == 0
         model.armed = False
         model(x).sum().backward()  # forward 1: unsampled, uninstalls the per-module hooks
         assert _hooks(model) == root_only
-        assert not observer._installed
+        assert observer.state is GateState.IDLE
         y = model(x * 3)  # forward 2: sampled normally
         y.sum().backward()
         remove_observer(model)
     assert _hooks(model) == pristine
-    assert ATTRIBUTE not in model.__dict__
+    assert observer_of(model) is None
+    assert set(model.__dict__) == pristine_attributes
 
     history = pl.read_parquet(out / "history.parquet")
     # the failed forward emitted what it measured before the error; no gradients for it
@@ -310,7 +315,7 @@ def test_exception_in_one_thread_does_not_disturb_the_others() -> None:
 
     _run_threads(work, [f"t{i}" for i in range(THREADS)])
     observer = _observer(model)
-    assert observer._active == 0
+    assert observer.gate.in_flight == 0
     remove_observer(model)
     assert raised == ["t0"] * (ROUNDS // 2)
     frame = pl.from_arrow(sink.table())

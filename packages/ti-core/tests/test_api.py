@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, ForwardRef, get_args
 
 import pyarrow as pa
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 from ti_core import (
     AlwaysSampler,
+    ErrorPolicyName,
     EveryNForwardsSampler,
     MemorySink,
     MissingProviderError,
@@ -31,6 +33,7 @@ from ti_core import (
     remove_observer,
     resolve,
 )
+from ti_core.api import ObserverOptions
 from ti_schema.testing import assert_histograms_conform
 
 
@@ -72,6 +75,7 @@ BAD_INPUTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"rank_policy": "rank7"}, ValueError, "rank0"),
     ({"rank_policy": 3}, TypeError, "rank_policy"),
     ({"error_policy": "loud"}, ValueError, "error_policy"),
+    ({"error_policy": 1}, TypeError, "error_policy"),
     ({"max_histogram_modules": -1}, ValueError, "max_histogram_modules"),
     ({"max_histogram_modules": 2.5}, TypeError, "max_histogram_modules"),
     ({"capture_direct_forwards": "yes"}, TypeError, "capture_direct_forwards"),
@@ -329,3 +333,28 @@ def test_memory_sink_table_is_columnar_history() -> None:
     # 3 layers x 2 signals x 9 metrics
     assert table.num_rows == 3 * 2 * 9
     assert len(rows(table, signal="output_gradient")) == 27
+
+
+def test_observe_takes_exactly_the_options_of_inject_observer() -> None:
+    """``observe(model, **options)`` is typed by ObserverOptions: the same names and types."""
+    expected = {
+        name: p.annotation
+        for name, p in inspect.signature(inject_observer).parameters.items()
+        if p.kind is p.KEYWORD_ONLY
+    }
+    declared = {
+        name: a.__forward_arg__ if isinstance(a, ForwardRef) else a
+        for name, a in ObserverOptions.__annotations__.items()
+    }
+    assert declared == expected
+    assert ObserverOptions.__required_keys__ == frozenset()
+
+
+@pytest.mark.parametrize("name", get_args(ErrorPolicyName))
+def test_every_error_policy_name_is_accepted(name: str) -> None:
+    assert get_args(ErrorPolicyName) == ("warn", "ignore", "raise")
+    sink = MemorySink()
+    with observe(small_model(), sink=sink, error_policy=name):
+        pass
+    assert sink.run is not None
+    assert sink.run.settings["error_policy"] == name

@@ -312,10 +312,11 @@ def test_removal_leaves_no_hook_or_attribute() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
     before = hook_state(model)
     state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules_before = list(model.named_modules())
     sink = MemorySink()
     inject_observer(model, sink=sink, sampler=AlwaysSampler())
     assert list(model.state_dict()) == list(state_before)
-    assert "_ti_observer" not in dict(model.named_children())
+    assert list(model.named_modules()) == modules_before  # the observer is no submodule
     model(torch.randn(3, 2)).sum().backward()
     remove_observer(model)
     assert hook_state(model) == before

@@ -30,7 +30,7 @@ import torch
 from _core_helpers import assert_matches, reference, rows, stats
 from torch import nn
 
-import ti_core.emission
+import ti_core.emission.worker
 from ti_core import (
     AlwaysSampler,
     MemorySink,
@@ -39,11 +39,13 @@ from ti_core import (
     TelemetryWarning,
     default_reducers,
     inject_observer,
+    observer_of,
     remove_observer,
 )
-from ti_core.capture import GradientState, TensorBatch
-from ti_core.emission import MAX_JOBS, EmissionWorker
-from ti_core.observer import ATTRIBUTE, Observer
+from ti_core.capture.batch import TensorBatch
+from ti_core.capture.gradients import GradientState
+from ti_core.emission.worker import MAX_JOBS, EmissionWorker
+from ti_core.observer import Observer
 from ti_schema.testing import assert_history_conforms
 
 SIGNALS = ("output", "output_gradient")
@@ -76,9 +78,9 @@ def train_step(
     optimizer.step()
 
 
-def observer_of(model: nn.Module) -> Observer:
-    observer = model.__dict__[ATTRIBUTE]
-    assert isinstance(observer, Observer)
+def attached(model: nn.Module) -> Observer:
+    observer = observer_of(model)
+    assert observer is not None
     return observer
 
 
@@ -142,7 +144,7 @@ def _waiting_in(thread: threading.Thread, method: str) -> bool:
         bool(frames)
         and frames[0].f_code.co_name == "wait"
         and any(
-            f.f_code.co_name == method and f.f_code.co_filename == ti_core.emission.__file__
+            f.f_code.co_name == method and f.f_code.co_filename == ti_core.emission.worker.__file__
             for f in frames
         )
     )
@@ -220,7 +222,7 @@ def recording(model: nn.Module, **options: Any) -> tuple[ThreadRecordingSink, Ob
     """inject_observer with AlwaysSampler and a ThreadRecordingSink watching the observer."""
     sink = ThreadRecordingSink()
     inject_observer(model, sink=sink, sampler=AlwaysSampler(), **options)
-    observer = observer_of(model)
+    observer = attached(model)
     sink.watch(observer)
     return sink, observer
 
@@ -375,7 +377,7 @@ def test_reads_wait_for_queued_signals_whatever_the_scheduling() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = GatedSink()
     inject_observer(model, sink=sink, sampler=AlwaysSampler())
-    observer = observer_of(model)
+    observer = attached(model)
     try:
         for step, (x, y) in enumerate(batches(4)):
             train_step(model, optimizer, x, y)  # its writes now wait for a read
@@ -399,7 +401,7 @@ def test_observer_drain_waits_for_every_ended_signal() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = GatedSink()
     inject_observer(model, sink=sink, sampler=AlwaysSampler())
-    observer = observer_of(model)
+    observer = attached(model)
     try:
         x, y = batches(1)[0]
         train_step(model, optimizer, x, y)
@@ -508,7 +510,7 @@ def test_a_sink_without_background_writes_is_written_on_the_training_thread() ->
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     memory, plain = MemorySink(), PlainSink()
     inject_observer(model, sink=[memory, plain], sampler=AlwaysSampler())
-    observer = observer_of(model)
+    observer = attached(model)
     for x, y in batches(3):
         train_step(model, optimizer, x, y)
     assert observer.emission_thread is None
@@ -558,7 +560,7 @@ def test_worker_failures_warn_once_on_the_training_thread() -> None:
     data = batches(5)
     with telemetry_warnings() as shown:
         inject_observer(model, sink=[broken, good], sampler=AlwaysSampler())
-        observer = observer_of(model)
+        observer = attached(model)
         train_step(model, optimizer, *data[0])
         good.table()  # the barrier: step 0's failed writes have happened, on the worker
         assert broken.failed_on
@@ -662,7 +664,7 @@ def test_outputs_are_freed_by_reference_counting_with_the_worker_on() -> None:
         refs.append(weakref.ref(out))
         del out
     assert all(r() is None for r in refs)  # queued jobs hold snapshots, not the outputs
-    observer_of(model).drain()
+    attached(model).drain()
     assert _live(GradientState) == baseline
     remove_observer(model)
 
@@ -856,7 +858,7 @@ def test_close_runs_queued_jobs_and_refuses_later_ones() -> None:
 def test_an_idle_worker_thread_ends_and_the_next_job_starts_another(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(ti_core.emission, "IDLE_EXIT_S", 0.001)
+    monkeypatch.setattr(ti_core.emission.worker, "IDLE_EXIT_S", 0.001)
     worker = EmissionWorker("test emission", max_bytes=100)
     threads: list[threading.Thread] = []
     record = lambda: threads.append(threading.current_thread())  # noqa: E731
@@ -875,7 +877,7 @@ def test_an_idle_worker_thread_ends_and_the_next_job_starts_another(
 
 
 def test_training_across_idle_exits_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ti_core.emission, "IDLE_EXIT_S", 0.001)
+    monkeypatch.setattr(ti_core.emission.worker, "IDLE_EXIT_S", 0.001)
     steps = 4
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -895,7 +897,7 @@ def test_training_across_idle_exits_loses_nothing(monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_dropped_observer_leaves_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ti_core.emission, "IDLE_EXIT_S", 0.001)
+    monkeypatch.setattr(ti_core.emission.worker, "IDLE_EXIT_S", 0.001)
     model = make_model()
     sink, observer = recording(model)
     model(torch.randn(2, 12)).sum().backward()
@@ -916,7 +918,7 @@ def test_copies_of_an_observed_model_have_no_worker() -> None:
     try:
         model(torch.randn(2, 12)).sum().backward()
         clone = copy.deepcopy(model)
-        assert clone.__dict__.get(ATTRIBUTE) is None
+        assert observer_of(clone) is None
         clone(torch.randn(2, 12)).sum().backward()  # runs, unobserved
     finally:
         remove_observer(model)
@@ -927,7 +929,7 @@ def test_a_full_queue_holds_training_in_backward_and_loses_nothing() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = GatedSink()  # the worker waits in its first write: nothing leaves the queue
     inject_observer(model, sink=sink, sampler=AlwaysSampler())
-    observer = observer_of(model)
+    observer = attached(model)
     main = threading.current_thread()
     past_backward = threading.Event()
     stacks: list[list[str]] = []
@@ -978,7 +980,7 @@ def _train_in_child(
 def test_a_forked_child_trains_with_the_observer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hogwild-style training in forked processes: the parent's worker thread does not exist
     in the child, which must not queue signals for it (nothing would run them)."""
-    monkeypatch.setattr(ti_core.emission, "IDLE_EXIT_S", 3600.0)  # alive at the fork
+    monkeypatch.setattr(ti_core.emission.worker, "IDLE_EXIT_S", 3600.0)  # alive at the fork
     model = make_model()
     sink, observer = recording(model)
     train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), *batches(1)[0])

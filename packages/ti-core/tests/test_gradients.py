@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ti_core import AlwaysSampler, MemorySink, inject_observer, observe, remove_observer
-from ti_core.capture import GradientState
+from ti_core.capture.gradients import GradientState
 from ti_schema.testing import assert_history_conforms
 
 

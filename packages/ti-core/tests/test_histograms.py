@@ -9,10 +9,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
-from ti_core import _cpu_scan, reducers
-from ti_core.histograms import HistogramData, compute_histograms, single_value_limit
-from ti_core.reducers import ReductionPlan, default_reducers
+from ti_core import AlwaysSampler, MemorySink, inject_observer, remove_observer
+from ti_core.reduction import (
+    HistogramData,
+    ReductionPlan,
+    compute_histograms,
+    default_reducers,
+    numpy_rows,
+    support,
+)
+from ti_core.reduction.histograms import single_value_limit
 
 DTYPES = (
     torch.float16,
@@ -163,7 +171,7 @@ def test_large_ties_constant_and_extreme_range() -> None:
 
 
 def test_accelerator_code_path_matches_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reducers, "uses_numpy", lambda device: False)
+    monkeypatch.setattr(support, "uses_numpy", lambda device: False)
     gen = np.random.default_rng(4)
     tensors = [sample(gen, dtype, 100_000, 0.05) for dtype in (torch.float32, torch.int64)]
     tensors.append(torch.arange(300_001, dtype=torch.float32))
@@ -171,21 +179,21 @@ def test_accelerator_code_path_matches_numpy(monkeypatch: pytest.MonkeyPatch) ->
         check(h, t, 30)
 
 
-def test_histogram_after_reduction_reuses_moments_only_while_valid() -> None:
+def test_histogram_after_reduction_reuses_its_moments_only_while_they_fit() -> None:
     gen = torch.Generator().manual_seed(6)
     t = torch.randn(300_000, generator=gen)
     t[::1000] = math.nan
-    ReductionPlan(default_reducers()).reduce([t])
-    assert _cpu_scan.recall(t) is not None
-    (h,) = compute_histograms([t], bins=30)
+    got = ReductionPlan(default_reducers()).reduce([t])
+    assert sorted(got.moments) == [0]  # a large CPU tensor: its one pass left the moments
+    known = [got.moments[0]]
+    (h,) = compute_histograms([t], bins=30, moments=known)
     check(h, t, 30)
-    t.mul_(3.0)  # bumps the version counter: the recorded moments no longer apply
-    assert _cpu_scan.recall(t) is None
-    (h,) = compute_histograms([t], bins=30)
+    t.mul_(3.0)  # the moments no longer describe the values: detected, recomputed
+    (h,) = compute_histograms([t], bins=30, moments=known)
     check(h, t, 30)
-    ReductionPlan(default_reducers()).reduce([t])
-    t.numpy()[5] = 100.0  # a write the version counter does not see, outside [min, max]
-    (h,) = compute_histograms([t], bins=30)
+    known = [ReductionPlan(default_reducers()).reduce([t]).moments[0]]
+    t.numpy()[5] = 100.0  # a write outside [min, max] after the reduction
+    (h,) = compute_histograms([t], bins=30, moments=known)
     check(h, t, 30)
 
 
@@ -193,23 +201,25 @@ def test_histograms_after_batched_reduction_of_medium_tensors() -> None:
     gen = np.random.default_rng(10)
     tensors = [sample(gen, dtype, 8192, 0.02).reshape(64, 128) for dtype in DTYPES]
     tensors += [torch.full((64, 64), 2.5), torch.full((64, 64), math.nan)]
-    ReductionPlan(default_reducers()).reduce(tensors)
-    assert _cpu_scan.recall(tensors[2]) is not None  # float32, 8192 entries
-    for t, h in zip(tensors, compute_histograms(tensors, bins=30), strict=True):
-        check(h, t, 30)
+    got = ReductionPlan(default_reducers()).reduce(tensors)
+    assert sorted(got.ordered) == list(range(len(tensors)))  # batched: sorted rows and moments
+    ordered = [got.ordered[i] for i in range(len(tensors))]
+    row_moments = [m for _, m in ordered]  # the moments implied by each tensor's profile row
+    for known in ({"ordered": ordered}, {"moments": row_moments}, {}):
+        for t, h in zip(tensors, compute_histograms(tensors, 30, **known), strict=True):
+            check(h, t, 30)
 
 
 def test_moments_from_a_reduction_with_far_pivots_stay_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def far_bands(a: np.ndarray) -> list[_cpu_scan._Band]:
-        return [_cpu_scan._Band(1e6, 2e6, tied=False) for _ in range(3)]
+    def far_bands(a: np.ndarray) -> list[numpy_rows._Band]:
+        return [numpy_rows._Band(1e6, 2e6, tied=False) for _ in range(3)]
 
-    monkeypatch.setattr(_cpu_scan, "_bands", far_bands)
+    monkeypatch.setattr(numpy_rows, "_bands", far_bands)
     t = torch.randn(200_000, generator=torch.Generator().manual_seed(2))
-    ReductionPlan(default_reducers()).reduce([t])
-    assert _cpu_scan.recall(t) is not None
-    (h,) = compute_histograms([t], bins=30)
+    got = ReductionPlan(default_reducers()).reduce([t])
+    (h,) = compute_histograms([t], bins=30, moments=[got.moments[0]])
     check(h, t, 30)
 
 
@@ -241,3 +251,22 @@ def test_property_histograms_match_numpy(
     tensors = [sample(gen, dtype, size, nonfinite) for size in sizes]
     for t, h in zip(tensors, compute_histograms(tensors, bins=bins), strict=True):
         check(h, t, bins)
+
+
+def test_observed_histograms_are_the_same_under_inference_mode() -> None:
+    """A large CPU focus tensor's histogram uses the moments its reduction carried, whatever
+    the grad mode it was captured in (inference tensors have no version counter)."""
+    x = torch.randn(300, 300, generator=torch.Generator().manual_seed(11)) * 3 + 1
+    got = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        model = nn.Sequential(nn.Identity())
+        sink = MemorySink()
+        inject_observer(model, sink=sink, sampler=AlwaysSampler())
+        with mode():
+            model(x)
+        remove_observer(model)
+        got.append(sink.histograms().drop_columns(["run_id", "timestamp"]).to_pylist())
+    assert got[0] == got[1]
+    (row,) = got[0]
+    (h,) = compute_histograms([x], bins=30)
+    assert (row["sum"], row["sum_squares"]) == pytest.approx((h.sum, h.sum_squares), rel=1e-12)

@@ -9,8 +9,7 @@ import numpy as np
 import torch
 from test_histograms import DTYPES, check, sample
 
-from ti_core.histograms import compute_histograms
-from ti_core.reducers import ReductionPlan, default_reducers
+from ti_core.reduction import ReductionPlan, compute_histograms, default_reducers
 
 
 def _tensors() -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ti_core import AlwaysSampler, MemorySink, inject_observer, remove_observer
-from ti_core.reducers import Measurements, ReductionPlan, default_reducers
+from ti_core.reduction import Measurements, ReductionPlan, default_reducers
 from ti_schema import DEFAULT_METRICS
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -10,8 +10,8 @@ import math
 import numpy as np
 from test_records import METRICS, columns
 
-from ti_core.histograms import HistogramData
 from ti_core.records import Entry, RunColumns, histogram_batch, history_batch
+from ti_core.reduction import HistogramData
 from ti_schema.testing import assert_history_conforms
 
 

@@ -10,13 +10,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ti_core import _cpu_scan, _selection, reducers
-from ti_core.reducers import (
+from ti_core.reduction import (
     DefaultProfile,
     Measurements,
     Reducer,
     ReductionPlan,
+    bands,
     default_reducers,
+    numpy_rows,
+    support,
+    torch_select,
 )
 from ti_schema import DEFAULT_METRICS
 
@@ -240,10 +243,10 @@ def test_large_ties_at_band_ends_and_few_finite_entries() -> None:
 def test_cpu_scan_falls_back_to_exact_partition_when_bands_miss(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def far_bands(a: np.ndarray) -> list[_cpu_scan._Band]:
-        return [_cpu_scan._Band(1e6, 2e6, tied=False) for _ in range(3)]
+    def far_bands(a: np.ndarray) -> list[numpy_rows._Band]:
+        return [numpy_rows._Band(1e6, 2e6, tied=False) for _ in range(3)]
 
-    monkeypatch.setattr(_cpu_scan, "_bands", far_bands)
+    monkeypatch.setattr(numpy_rows, "_bands", far_bands)
     x = torch.randn(200_000, generator=torch.Generator().manual_seed(9))
     x[::7] = math.inf
     m = reduce_default([x])
@@ -288,16 +291,16 @@ def test_selection_matches_sorting(n: int) -> None:
     a = np.concatenate(pieces)[:n]
     v = torch.from_numpy(a)
     ranks = [0, 1, n // 4, n // 4 + 1, n // 2, n - 2, n - 1]
-    got = _selection.order_statistics(v, ranks).numpy()
+    got = torch_select.order_statistics(v, ranks).numpy()
     np.testing.assert_array_equal(got, np.sort(a)[ranks])
 
 
 def test_selection_falls_back_when_the_band_misses() -> None:
     v = torch.arange(300_000, dtype=torch.float32)
-    sample = torch.zeros(_selection._SAMPLE_SIZE)  # pivots that bracket nothing useful
-    assert _selection._select_in_band(v, sample, sample.numel(), [150_000]) is None
-    good = _selection._pivot_sample(v)
-    found = _selection._select_in_band(v, good, good.numel(), [150_000, 150_001])
+    sample = torch.zeros(bands.SAMPLE_SIZE)  # pivots that bracket nothing useful
+    assert torch_select._select_in_band(v, sample, sample.numel(), [150_000]) is None
+    good = torch_select._pivot_sample(v)
+    found = torch_select._select_in_band(v, good, good.numel(), [150_000, 150_001])
     assert found is not None
     assert float(found[150_000]) == 150_000.0
     assert float(found[150_001]) == 150_001.0
@@ -314,7 +317,7 @@ def test_accelerator_code_paths_match_numpy(
 ) -> None:
     # The torch-only paths used on accelerators (device-side batching, optimistic kthvalue
     # with the exact retry for tensors holding NaN/inf) are device-agnostic: run them here.
-    monkeypatch.setattr(reducers, "uses_numpy", lambda device: False)
+    monkeypatch.setattr(support, "uses_numpy", lambda device: False)
     gen = np.random.default_rng(12)
     tensors = [
         random_tensor(gen, dtype, (3, 7), 0.1),

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from ti_core import AlwaysSampler, inject_observer, remove_observer
-from ti_core.observer import ATTRIBUTE, Observer
+from ti_core import AlwaysSampler, inject_observer, observer_of, remove_observer
+from ti_core.observer import Observer
 from ti_core.sink import RunInfo
 from ti_io import DirectorySink, TensorBoardSink, scan_history
 
@@ -45,9 +45,9 @@ def train_step(
     optimizer.step()
 
 
-def observer_of(model: nn.Module) -> Observer:
-    observer = model.__dict__[ATTRIBUTE]
-    assert isinstance(observer, Observer)
+def attached(model: nn.Module) -> Observer:
+    observer = observer_of(model)
+    assert observer is not None
     return observer
 
 
@@ -125,7 +125,7 @@ def test_flush_publishes_every_step_written_by_the_worker(tmp_path: Path) -> Non
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = RecordingDirectorySink(out)  # default buffer_rows: nothing published before flush
     inject_observer(model, sink=sink, sampler=AlwaysSampler())
-    observer = observer_of(model)
+    observer = attached(model)
     sink.observer = observer
     try:
         for x, y in batches(steps):
@@ -150,7 +150,7 @@ def test_flush_waits_for_queued_signals_whatever_the_scheduling(tmp_path: Path) 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = GatedDirectorySink(out)
     inject_observer(model, sink=sink, sampler=AlwaysSampler())
-    observer = observer_of(model)
+    observer = attached(model)
     try:
         for step, (x, y) in enumerate(batches(3)):
             train_step(model, optimizer, x, y)  # its writes now wait for a flush
@@ -174,7 +174,7 @@ import torch
 
 sys.path.insert(0, {tests!r})
 from test_background_writes import (
-    GatedDirectorySink, batches, make_model, observer_of, train_step
+    GatedDirectorySink, attached, batches, make_model, train_step
 )
 
 from ti_core import AlwaysSampler, inject_observer
@@ -186,7 +186,7 @@ inject_observer(model, sink=sink, sampler=AlwaysSampler())
 for x, y in batches({steps}):
     train_step(model, optimizer, x, y)
 # every write waits for the exit flush's barrier: the worker is busy, its thread running
-assert observer_of(model).emission_thread is not None
+assert attached(model).emission_thread is not None
 assert not sink.gate.is_set()
 # exits without remove_observer: the exit flush must publish every sample
 """
@@ -222,7 +222,7 @@ def test_tensorboard_sink_keeps_writes_on_the_training_thread(tmp_path: Path) ->
     writer = SummaryWriter(str(tmp_path / "tb"))
     directory = DirectorySink(tmp_path / "stats")
     inject_observer(model, sink=[directory, TensorBoardSink(writer)], sampler=AlwaysSampler())
-    observer = observer_of(model)
+    observer = attached(model)
     try:
         for x, y in batches(2):
             train_step(model, optimizer, x, y)

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from ti_core.api import has_observer, inject_observer, observe, remove_observer
-from ti_core.errors import MissingProviderError, ObserverAlreadyAttachedError, TelemetryWarning
+from ti_core.api import has_observer, inject_observer, observe, observer_of, remove_observer
+from ti_core.errors import (
+    ErrorPolicyName,
+    MissingProviderError,
+    ObserverAlreadyAttachedError,
+    TelemetryWarning,
+)
 from ti_core.memory_sink import MemorySink
 from ti_core.ranks import RankPolicy, RankSelection
-from ti_core.reducers import Reducer, default_reducers
+from ti_core.reduction.plan import DefaultProfile, Reducer, default_reducers
 from ti_core.sampling import AlwaysSampler, EveryNForwardsSampler, Sampler, TimedSampler
 from ti_core.selection import leaf_modules
 from ti_core.sink import LayerInfo, RunInfo, Sink
 
 __all__ = [
     "AlwaysSampler",
+    "DefaultProfile",
+    "ErrorPolicyName",
     "EveryNForwardsSampler",
     "LayerInfo",
     "MemorySink",
@@ -31,5 +38,6 @@ __all__ = [
     "inject_observer",
     "leaf_modules",
     "observe",
+    "observer_of",
     "remove_observer",
 ]

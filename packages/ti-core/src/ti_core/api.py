@@ -12,17 +12,18 @@ from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from os import PathLike
-from typing import Any
+from typing import Final, TypedDict, Unpack
 
 from torch import nn
 
 from ti_core import resolve
-from ti_core.capture import scrub_copied_hooks
-from ti_core.errors import ErrorPolicy, ObserverAlreadyAttachedError
-from ti_core.observer import ATTRIBUTE, Observer
+from ti_core.capture.hooks import scrub_copied_hooks
+from ti_core.emission.sinks import sink_capabilities
+from ti_core.errors import ErrorPolicy, ErrorPolicyName, ObserverAlreadyAttachedError
+from ti_core.observer import Observer
 from ti_core.ranks import RankPolicy
 from ti_core.records import RunColumns
-from ti_core.reducers import ReducerSpec, ReductionPlan, default_reducers
+from ti_core.reduction.plan import ReducerSpec, ReductionPlan, default_reducers
 from ti_core.sampling import (
     DEFAULT_INTERVAL,
     Sampler,
@@ -33,7 +34,11 @@ from ti_core.selection import Selector, select_modules, unwrap_compiled
 from ti_core.sink import RunInfo, Sink
 from ti_schema import histogram_schema, history_schema
 
-DEFAULT_OUTPUT_DIR = "stats"
+DEFAULT_OUTPUT_DIR: Final = "stats"
+
+ATTRIBUTE: Final = "_ti_observer"
+"""Key of the observer in the model's ``__dict__`` (never a submodule, parameter or buffer);
+private: reach the observer with :func:`observer_of`."""
 
 
 def _producer() -> str:
@@ -43,9 +48,19 @@ def _producer() -> str:
         return "ti-core unknown"
 
 
+def observer_of(model: nn.Module) -> Observer | None:
+    """The observer attached to ``model``, or None (also for copies of an observed model).
+
+    For tests, benchmarks and diagnostics: ``drain()`` waits for the emission worker,
+    ``emission_thread`` and ``state`` tell what it is doing, ``run`` holds the run's facts.
+    """
+    observer = getattr(model, "__dict__", {}).get(ATTRIBUTE)
+    return observer if isinstance(observer, Observer) else None
+
+
 def has_observer(model: nn.Module) -> bool:
     """True when ``model`` has an attached observer."""
-    return isinstance(getattr(model, "__dict__", {}).get(ATTRIBUTE), Observer)
+    return observer_of(model) is not None
 
 
 def _check_sink(candidate: object, where: str) -> Sink:
@@ -123,7 +138,7 @@ def inject_observer(
     histogram_selector: Selector | Collection[str] | None = None,
     max_histogram_modules: int = 8,
     rank_policy: str | RankPolicy = "rank0",
-    error_policy: str = "warn",
+    error_policy: ErrorPolicyName = "warn",
     capture_direct_forwards: bool = False,
 ) -> None:
     """Attach an observer that records selected modules' outputs and output gradients.
@@ -229,7 +244,8 @@ def inject_observer(
 
 
 def _background_allowed(plan: ReductionPlan, sinks: Sequence[Sink], errors: ErrorPolicy) -> bool:
-    """Whether reductions and writes may leave the training thread (DESIGN §5 step 4).
+    """Whether reductions and writes may leave the training thread (docs/capture.md, "Where
+    the reduction runs").
 
     Only when nothing the user wrote runs there and nothing must fail on the training thread:
     the default profile only (a custom reducer is user code), every sink declares
@@ -239,7 +255,7 @@ def _background_allowed(plan: ReductionPlan, sinks: Sequence[Sink], errors: Erro
     return (
         plan.default_only
         and not errors.raises
-        and all(getattr(sink, "accepts_background_writes", False) for sink in sinks)
+        and all(sink_capabilities(sink).background_writes for sink in sinks)
     )
 
 
@@ -249,8 +265,8 @@ def remove_observer(model: nn.Module) -> None:
     A no-op on a model without an observer. Close failures are reported through the error policy
     after every sink was given its chance to close.
     """
-    observer = getattr(model, "__dict__", {}).get(ATTRIBUTE)
-    if not isinstance(observer, Observer):
+    observer = observer_of(model)
+    if observer is None:
         if isinstance(model, nn.Module):  # a copy of an observed model: drop what it inherited
             model.__dict__.pop(ATTRIBUTE, None)
             for module in model.modules():
@@ -261,11 +277,27 @@ def remove_observer(model: nn.Module) -> None:
     finally:
         del model.__dict__[ATTRIBUTE]
     for sink, error in failures:
-        observer.sink_failed(sink, "closing", error)
+        observer.sinks.report(sink, "closing", error)
+
+
+class ObserverOptions(TypedDict, total=False):
+    """The keyword options of :func:`inject_observer`, as :func:`observe` takes them."""
+
+    output_dir: str | PathLike[str] | None
+    sink: Sink | Sequence[Sink] | None
+    sampler: Sampler | None
+    interval: timedelta | float
+    selector: Selector | None
+    reducers: Sequence[ReducerSpec] | None
+    histogram_selector: Selector | Collection[str] | None
+    max_histogram_modules: int
+    rank_policy: str | RankPolicy
+    error_policy: ErrorPolicyName
+    capture_direct_forwards: bool
 
 
 @contextmanager
-def observe(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
+def observe(model: nn.Module, **options: Unpack[ObserverOptions]) -> Iterator[nn.Module]:
     """``with observe(model, sink=MemorySink()): train(model)``: inject on enter, remove on exit."""
     inject_observer(model, **options)
     try:

@@ -10,10 +10,16 @@ import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Final, Literal
+from typing import Final, Literal, TypeGuard, get_args
 
 ErrorPolicyName = Literal["warn", "ignore", "raise"]
-ERROR_POLICIES: Final[tuple[str, ...]] = ("warn", "ignore", "raise")
+"""What ``error_policy=`` accepts."""
+ERROR_POLICIES: Final[tuple[ErrorPolicyName, ...]] = get_args(ErrorPolicyName)
+
+
+def is_error_policy(name: object) -> TypeGuard[ErrorPolicyName]:
+    """Whether ``name`` is one of :data:`ERROR_POLICIES`."""
+    return isinstance(name, str) and name in ERROR_POLICIES
 
 
 class ObserverAlreadyAttachedError(RuntimeError):
@@ -44,12 +50,12 @@ class ErrorPolicy:
     repeated every step does not flood the log.
     """
 
-    def __init__(self, name: str) -> None:
-        if name not in ERROR_POLICIES:
+    def __init__(self, name: ErrorPolicyName) -> None:
+        if not is_error_policy(name):
             raise ValueError(
                 f"error_policy={name!r} is not known; use one of {', '.join(ERROR_POLICIES)}"
             )
-        self.name = name
+        self.name: ErrorPolicyName = name
         self._seen: set[tuple[object, str]] = set()
         self._lock = threading.Lock()
         self._deferring = threading.local()

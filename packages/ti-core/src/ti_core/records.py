@@ -10,13 +10,15 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 
-if TYPE_CHECKING:
-    from ti_core.histograms import HistogramData
+from ti_core.reduction.histograms import HistogramData
+
+SignalName = Literal["output", "output_gradient"]
+"""Values of the ``signal`` column (``ti_schema.SIGNALS``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,7 @@ class RunColumns:
         return column
 
     def static_columns(
-        self, signal: str, entries: Sequence[Entry], repeat: int
+        self, signal: SignalName, entries: Sequence[Entry], repeat: int
     ) -> tuple[list[pa.Array], np.ndarray]:
         """Columns that depend only on the entries' identity (all but timestamp, sample and
         forward index), ``repeat`` rows per entry, and the row-to-entry index."""
@@ -130,7 +132,7 @@ def _strings(values: np.ndarray, index: np.ndarray) -> pa.Array:
 
 def _identity(
     run: RunColumns,
-    signal: str,
+    signal: SignalName,
     sample_id: int,
     forward_index: int,
     entries: Sequence[Entry],
@@ -159,7 +161,7 @@ def _identity(
 
 
 def _static_columns(
-    run: RunColumns, signal: str, entries: Sequence[Entry], repeat: int
+    run: RunColumns, signal: SignalName, entries: Sequence[Entry], repeat: int
 ) -> tuple[list[pa.Array], np.ndarray]:
     n = len(entries)
     rows = n * repeat
@@ -200,7 +202,7 @@ def _static_columns(
 
 def history_batch(
     run: RunColumns,
-    signal: str,
+    signal: SignalName,
     sample_id: int,
     forward_index: int,
     entries: Sequence[Entry],
@@ -244,7 +246,7 @@ def history_batch(
 
 def unavailable_batch(
     run: RunColumns,
-    signal: str,
+    signal: SignalName,
     sample_id: int,
     forward_index: int,
     entries: Sequence[Entry],
@@ -271,7 +273,7 @@ def _concat(parts: list[np.ndarray], dtype: type[np.generic]) -> np.ndarray:
 
 def histogram_batch(
     run: RunColumns,
-    signal: str,
+    signal: SignalName,
     sample_id: int,
     forward_index: int,
     entries: Sequence[Entry],

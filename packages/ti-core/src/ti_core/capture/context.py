@@ -1,4 +1,4 @@
-"""Execution context of a module call: mode, grad mode, backward and checkpoint detection."""
+"""Execution context of a module call: time stamps, backward and checkpoint detection."""
 
 from __future__ import annotations
 
@@ -47,14 +47,3 @@ def in_reentrant_checkpoint() -> bool:
         frame = frame.f_back  # type: ignore[assignment]
         depth += 1
     return False
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``float32``."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name

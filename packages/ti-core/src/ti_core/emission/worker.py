@@ -1,18 +1,20 @@
-"""The observer's emission worker: reduces and emits sampled signals off the training thread.
+"""The emission worker: one background thread running an observer's emission jobs in order.
 
-DESIGN §5 step 4 allows the reduction to run off the training thread on a snapshot taken at
-the module boundary. The training thread keeps the capture (hooks, snapshots); this worker runs
-the reduction, the histograms, the Arrow batches and the sink writes of each ended signal. On a
-2-core machine the reduction's numpy work (which releases the GIL) then overlaps the model's
-own compute instead of adding to it.
+Why (docs/capture.md, "Where the reduction runs"): the training thread keeps the capture (hooks,
+snapshots taken at the module boundary); this thread runs the reduction, the histograms, the
+Arrow batches and the sink writes of each ended signal. On a 2-core machine the reduction's
+numpy work (which releases the GIL) then overlaps the model's own compute instead of adding to
+it. Used through :class:`ti_core.emission.emitters.BackgroundEmitter`.
 
-Ownership and lifecycle: one worker per observer (:class:`ti_core.observer.Observer`); its thread
+Ownership and lifecycle: one worker per background emitter (so per observer); its thread
 starts with a job and ends at :meth:`EmissionWorker.close` (``remove_observer``), after running
 every job already submitted, or after ``IDLE_EXIT_S`` without work (the next job starts a new
 one), so an observer dropped without removal leaves no thread behind. One thread runs the jobs
 in submission order, so rows reach the sinks in the order their signals ended. Backpressure:
 :meth:`submit` blocks while the queued jobs hold more snapshot bytes than the budget or more
 than ``max_jobs`` jobs are queued, so memory stays bounded when sampling outpaces the reduction.
+A forked child starts with an empty queue and no thread (jobs queued before the fork are the
+parent's).
 """
 
 from __future__ import annotations

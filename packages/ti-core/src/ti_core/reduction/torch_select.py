@@ -1,47 +1,23 @@
-"""Exact order statistics and float64-accurate sums of large 1-D tensors, without full sorts.
+"""Exact order statistics and float64-accurate sums of large 1-D tensors with torch.
 
-Private helpers of :mod:`ti_core.reducers`. Everything here is exact: sampling is used only to
-choose narrow candidate bands, and every band is verified by counting before it is trusted;
-a band that does not hold the wanted ranks falls back to ``torch.kthvalue``.
+Used by the torch engine (:mod:`~ti_core.reduction.torch_rows`) and the torch histograms, on
+the tensor's own device, without full sorts. Everything here is exact: sampling only places
+narrow candidate bands (:mod:`~ti_core.reduction.bands`), every band is verified by counting
+before it is trusted, and a band that does not hold the wanted ranks falls back to
+``torch.kthvalue``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from typing import Final
 
 import torch
 
-QUANTILES: tuple[float, ...] = (0.25, 0.5, 0.75)
+from ti_core.reduction.bands import SAMPLE_SEED, SAMPLE_SIZE, sample_span
 
-_SORT_LIMIT = 1 << 17
+_SORT_LIMIT: Final = 1 << 17
 """At or below this many entries a plain sort is cheaper than selection."""
-
-_SAMPLE_SIZE = 1 << 16
-_SAMPLE_SEED = 0x7149_5EED
-"""Pivots come from a private generator: the global RNG state must never change."""
-
-
-def quantile_positions(n: int) -> list[tuple[int, int, float]]:
-    """``(lower rank, upper rank, fraction)`` of each quantile of ``n`` sorted values.
-
-    numpy's default ("linear") method: the virtual index is ``q * (n - 1)``.
-    """
-    out = []
-    for q in QUANTILES:
-        pos = q * (n - 1)
-        lo = math.floor(pos)
-        frac = pos - lo
-        hi = lo + 1 if frac > 0.0 and lo + 1 < n else lo
-        out.append((lo, hi, frac))
-    return out
-
-
-def lerp(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
-    """numpy's ``_lerp``: monotone linear interpolation, exact at both ends."""
-    diff = b - a
-    t_tensor = torch.as_tensor(t, dtype=diff.dtype, device=diff.device)
-    return torch.where(t_tensor >= 0.5, b - diff * (1 - t_tensor), a + diff * t_tensor)
 
 
 def chunk_size(device: torch.device) -> int:
@@ -97,8 +73,8 @@ def order_statistics(v: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
 
 def _pivot_sample(v: torch.Tensor) -> torch.Tensor:
     gen = torch.Generator(device=v.device)
-    gen.manual_seed(_SAMPLE_SEED)
-    idx = torch.randint(v.numel(), (_SAMPLE_SIZE,), generator=gen, device=v.device)
+    gen.manual_seed(SAMPLE_SEED)
+    idx = torch.randint(v.numel(), (SAMPLE_SIZE,), generator=gen, device=v.device)
     return torch.sort(v[idx]).values
 
 
@@ -118,13 +94,7 @@ def _select_in_band(
 ) -> dict[int, torch.Tensor] | None:
     """Find ``cluster``'s ranks inside a sample-chosen band ``[lo, hi]``; None if they are not."""
     n = v.numel()
-    f_lo, f_hi = cluster[0] / (n - 1), cluster[-1] / (n - 1)
-    f = 0.5 * (f_lo + f_hi)
-    # Six standard errors of a sample quantile, plus a few sample slots: the band misses the
-    # wanted ranks with negligible probability, and a miss only costs the kthvalue fallback.
-    margin = 6.0 * math.sqrt(max(f * (1.0 - f), 1.0 / m) / m) + 4.0 / m
-    i_lo = math.floor((f_lo - margin) * (m - 1))
-    i_hi = math.ceil((f_hi + margin) * (m - 1))
+    i_lo, i_hi = sample_span(cluster[0] / (n - 1), cluster[-1] / (n - 1), m)
     lo = sample[i_lo] if i_lo >= 0 else None
     hi = sample[i_hi] if i_hi < m else None
     if lo is not None and hi is not None and bool(lo == hi):
@@ -147,3 +117,6 @@ def _select_in_band(
         return None
     ordered = torch.sort(band).values
     return {r: ordered[r - below] for r in cluster}
+
+
+__all__ = ["centered_sum_squares64", "chunk_size", "order_statistics", "sum64"]

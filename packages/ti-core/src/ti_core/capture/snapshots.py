@@ -1,9 +1,10 @@
 """Recycled host buffers for the snapshots that sampled tensors are copied into.
 
-A snapshot (DESIGN §5 step 3) lives from the module boundary until its signal is reduced, often
-on the emission worker. Giving each one fresh memory costs more than the copy: the allocator
-hands freed megabyte-sized blocks back to the system, so every new snapshot page-faults again.
-The pool keeps the buffers of reduced snapshots for the next sample of the same shape.
+A snapshot (docs/capture.md, "What is captured per call") lives from the module boundary until
+its signal is reduced, often on the emission worker. Giving each one fresh memory costs more
+than the copy: the allocator hands freed megabyte-sized blocks back to the system, so every new
+snapshot page-faults again. The pool keeps the buffers of reduced snapshots for the next sample
+of the same shape.
 
 Ownership: one pool per observer, filled by the thread that reduced a batch, drained by the
 thread that captures; bounded by ``max_bytes``; dropped with the observer.

@@ -1,8 +1,10 @@
-"""TensorBoard-style histograms of focus-layer tensors, computed on device (DESIGN §3.3).
+"""TensorBoard-style histograms of focus-layer tensors (definitions: docs/metrics.md).
 
 Each histogram has ``bins`` equal-width buckets spanning the tensor's finite range, plus the
-moments TensorBoard needs. All tensors of one call come back to the host in one transfer per
-device.
+moments TensorBoard needs. CPU tensors are counted with numpy
+(:mod:`~ti_core.reduction.numpy_histograms`), from what their reduction already learned when the
+caller passes it; other tensors on their device with torch, all rows of one device coming back
+to the host in one transfer. Rows follow :mod:`~ti_core.reduction.layout` (histogram row).
 """
 
 from __future__ import annotations
@@ -10,15 +12,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import torch
 
-from ti_core import _cpu_scan, reducers
-from ti_core import _selection as sel
-from ti_core.reducers import unsupported_reason
+from ti_core.reduction import layout, support
+from ti_core.reduction import torch_select as sel
+from ti_core.reduction.numpy_histograms import histogram_large, histograms_sorted
+from ti_core.reduction.numpy_rows import Moments
+from ti_core.reduction.support import flat_float, unsupported_reason
 
-__all__ = ["HistogramData", "compute_histograms", "single_value_limit"]
+__all__ = ["DEFAULT_BINS", "HistogramData", "compute_histograms", "single_value_limit"]
+
+DEFAULT_BINS: Final = 30
+"""Buckets of every focus-layer histogram."""
 
 
 @dataclass
@@ -49,23 +57,27 @@ def single_value_limit(value: float) -> float:
 
 def compute_histograms(
     tensors: Sequence[torch.Tensor],
-    bins: int = 30,
-    ordered: Sequence[tuple[np.ndarray, _cpu_scan.Moments] | None] | None = None,
+    bins: int = DEFAULT_BINS,
+    ordered: Sequence[tuple[np.ndarray, Moments] | None] | None = None,
+    moments: Sequence[Moments | None] | None = None,
 ) -> list[HistogramData]:
     """Histograms of ``tensors`` with ``bins`` equal-width buckets over each finite range.
 
     Empty tensors, tensors without finite entries and tensors of dtypes the default profile
     cannot measure (complex, quantized, float8, ...) get an empty histogram (``num=0``, no
-    buckets); their history rows carry the reason. ``ordered[i]``, when given, holds the finite
-    values of CPU tensor ``i`` in ascending order and their moments, from the reduction of the
-    same tensor (:attr:`ti_core.reducers.Measurements.ordered`): its histogram is then counted
-    from them without another pass over the tensor.
+    buckets); their history rows carry the reason.
+
+    What a reduction of the same values learned saves work on CPU tensors
+    (:class:`~ti_core.reduction.plan.Measurements`): ``ordered[i]``, the finite values of tensor
+    ``i`` in ascending order and their moments, means its histogram is counted from them
+    without a pass over the tensor; ``moments[i]`` means one bucketing pass without a moments
+    pass (moments that do not fit the data are detected and recomputed).
     """
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}; pass e.g. bins=30")
     results: list[HistogramData | None] = [None] * len(tensors)
     pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    counted: list[tuple[int, tuple[np.ndarray, _cpu_scan.Moments]]] = []
+    counted: list[tuple[int, tuple[np.ndarray, Moments]]] = []
     with torch.no_grad():
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
@@ -75,24 +87,24 @@ def compute_histograms(
             if t.numel() == 0 or unsupported_reason(t) is not None:
                 results[i] = _empty(0)
                 continue
-            if reducers.uses_numpy(t.device):
+            if support.uses_numpy(t.device):
                 done = ordered[i] if ordered is not None and i < len(ordered) else None
                 if done is not None:  # sorted by the reduction: counted from it, no pass
                     counted.append((i, done))
                     continue
-                known = _cpu_scan.recall(t)
-                flat = _flat_float(t).numpy()
-                row = torch.from_numpy(_cpu_scan.histogram_large(flat, bins, known))
+                known = moments[i] if moments is not None and i < len(moments) else None
+                flat = flat_float(t).numpy()
+                row = torch.from_numpy(histogram_large(flat, bins, known))
             else:
                 row = _device_row(t, bins)
             pending.setdefault(t.device, []).append((i, row))
         if counted:
-            host_rows = _cpu_scan.histograms_sorted([done for _, done in counted], bins)
+            host_rows = histograms_sorted([done for _, done in counted], bins)
             for (i, _), row in zip(counted, host_rows, strict=True):
                 results[i] = _from_row(row, bins)
         for items in pending.values():
             host = torch.cat([row for _, row in items]).cpu().numpy()  # one transfer per device
-            width = 6 + 2 * bins + 1
+            width = layout.histogram_width(bins)
             for k, (i, _) in enumerate(items):
                 results[i] = _from_row(host[k * width : (k + 1) * width], bins)
     return [r if r is not None else _empty(0) for r in results]
@@ -111,19 +123,10 @@ def _empty(nonfinite: int) -> HistogramData:
     )
 
 
-def _flat_float(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().reshape(-1)
-    if flat.dtype in (torch.float32, torch.float64):
-        return flat.contiguous()
-    if flat.dtype in (torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint8):
-        return flat.to(torch.float32)
-    return flat.to(torch.float64)
-
-
 def _device_row(t: torch.Tensor, bins: int) -> torch.Tensor:
-    """``[min, max, num, sum, sum_squares, nonfinite, edges (bins + 1), counts (bins)]``."""
+    """The histogram row of ``t`` with torch, on its device."""
     f64 = torch.float64
-    x = _flat_float(t)
+    x = flat_float(t)
     n = x.numel()
     finite = torch.isfinite(x)
     num = finite.sum().to(f64)
@@ -140,29 +143,36 @@ def _device_row(t: torch.Tensor, bins: int) -> torch.Tensor:
     idx = torch.bucketize(x, edges[1:-1], right=True)
     counts = torch.zeros(bins, dtype=f64, device=x.device)
     counts.scatter_add_(0, idx.clamp_(max=bins - 1), finite.to(f64))
-    head = torch.stack([mn, mx, num, total, squares, n - num])
-    return torch.cat([head, edges, counts])
+    head = [mn] * layout.HISTOGRAM_HEAD
+    head[layout.H_MIN] = mn
+    head[layout.H_MAX] = mx
+    head[layout.H_NUM] = num
+    head[layout.H_SUM] = total
+    head[layout.H_SUM_SQUARES] = squares
+    head[layout.H_NONFINITE] = n - num
+    return torch.cat([torch.stack(head), edges, counts])
 
 
 def _from_row(row: np.ndarray, bins: int) -> HistogramData:
-    num = int(row[2])
-    nonfinite = int(row[5])
+    num = int(row[layout.H_NUM])
+    nonfinite = int(row[layout.H_NONFINITE])
     if num == 0:
         return _empty(nonfinite)
-    mn, mx = float(row[0]), float(row[1])
+    mn, mx = float(row[layout.H_MIN]), float(row[layout.H_MAX])
     if mn == mx:
         limits = np.array([single_value_limit(mx)], dtype=np.float64)
         counts = np.array([num], dtype=np.int64)
     else:
-        limits = row[7 : 7 + bins].astype(np.float64)
-        counts = row[6 + bins + 1 :].astype(np.int64)
+        right_edges = layout.histogram_edges(bins)
+        limits = row[right_edges.start + 1 : right_edges.stop].astype(np.float64)
+        counts = row[layout.histogram_counts(bins)].astype(np.int64)
     return HistogramData(
         bucket_limits=limits,
         bucket_counts=counts,
         min=mn,
         max=mx,
         num=num,
-        sum=float(row[3]),
-        sum_squares=float(row[4]),
+        sum=float(row[layout.H_SUM]),
+        sum_squares=float(row[layout.H_SUM_SQUARES]),
         nonfinite_count=nonfinite,
     )

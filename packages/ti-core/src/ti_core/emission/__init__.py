@@ -1,0 +1,12 @@
+"""Emission: from an ended signal to records in every sink, inline or on a worker thread.
+
+Knows nothing of hooks or sampling. Modules, in the order a signal passes through them:
+
+- :mod:`~ti_core.emission.emitters`: ``Emitter`` and its two implementations, inline and
+  background (which one an observer uses is decided once, at attach).
+- :mod:`~ti_core.emission.worker`: the background thread, its bounded queue, fork handling.
+- :mod:`~ti_core.emission.writer`: ``EndedSignal`` and ``SignalWriter`` (reduce, build the
+  record batches, write).
+- :mod:`~ti_core.emission.sinks`: ``SinkFanout`` (every write and the one close of each sink)
+  and ``sink_capabilities`` (the optional parts of the ``Sink`` protocol a sink declares).
+"""

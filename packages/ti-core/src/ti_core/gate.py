@@ -1,0 +1,287 @@
+"""The sampling gate: which root forwards are captured, and the hooks that capture them.
+
+One gate per observer. It is the :class:`~ti_core.capture.hooks.CaptureTarget` every forward
+hook calls, and the one place that installs and removes hooks: it keeps the handle (or undo
+function) of each, so removal can never miss one.
+
+State (:class:`GateState`, one value per gate, changed under its lock)::
+
+    NEW ──attach──> IDLE ──sampled root forward starts──> CAPTURING
+                     ^                                        │
+                     └── unsampled root forward starts, ──────┘
+                         no sample in flight on any thread
+    IDLE / CAPTURING ──close──> CLOSED (final)
+
+- ``IDLE``: only the two root hooks exist; an unsampled root forward runs them and nothing else.
+- ``CAPTURING``: per-module capture (forward hooks, or ``forward`` overrides) is installed;
+  samples may be in flight on several threads (:attr:`Gate.in_flight`).
+- ``CLOSED``: every hook removed; nothing is recorded again (late gradients are dropped).
+
+Per-thread state (nesting depth of root calls, the frame of the outermost one, this thread's
+current :class:`~ti_core.capture.sample.Sample`) lives in a ``threading.local``: each thread's
+forwards are sampled and recorded independently.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, Final, Protocol
+
+from torch import nn
+
+from ti_core.capture.context import in_backward
+from ti_core.capture.hooks import CallHook, RootPostHook, RootPreHook, install_forward_override
+from ti_core.capture.sample import Sample
+from ti_core.errors import ErrorPolicy
+from ti_core.sampling import Sampler
+
+
+class GateState(enum.Enum):
+    """Where an observer's capture stands; transitions in the module docstring."""
+
+    NEW = "new"
+    IDLE = "idle"
+    CAPTURING = "capturing"
+    CLOSED = "closed"
+
+
+# Module-level aliases: the root hooks compare the state on every forward, and attribute access
+# on an Enum class costs several times a global lookup.
+_IDLE: Final = GateState.IDLE
+_CAPTURING: Final = GateState.CAPTURING
+_CLOSED: Final = GateState.CLOSED
+
+
+class SampleOwner(Protocol):
+    """What the gate hands samples to (the observer): it makes them and emits them."""
+
+    def start_sample(self, sample_id: int, forward_index: int) -> Sample:
+        """A new sample for the root forward ``forward_index`` (``sample_id``-th sampled)."""
+        ...
+
+    def end_forward(self, sample: Sample) -> None:
+        """The sample's root forward returned (or raised): emit what it recorded."""
+        ...
+
+
+class _ThreadState(threading.local):
+    depth = 0
+    outer: FrameType | None = None
+    sample: Sample | None = None
+
+
+def _has_ancestor(frame: FrameType, target: FrameType | None) -> bool:
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+class Gate:
+    """Decides per root forward whether it is sampled, and owns every hook of one observer."""
+
+    def __init__(
+        self,
+        *,
+        modules: Sequence[nn.Module],
+        root_layer: int | None,
+        sampler: Sampler,
+        errors: ErrorPolicy,
+        capture_direct_forwards: bool,
+        owner: SampleOwner,
+    ) -> None:
+        self._modules = [weakref.ref(m) for m in modules]
+        self._root_layer = root_layer
+        self._sampler = sampler
+        self._errors = errors
+        self._direct = capture_direct_forwards
+        # The owner holds the gate; the gate refers back weakly (no reference cycle).
+        self._owner: weakref.ref[SampleOwner] = weakref.ref(owner)
+        self._state = GateState.NEW
+        self._lock = threading.Lock()
+        self._local = _ThreadState()
+        self._counter = itertools.count()
+        self._samples = 0
+        self._in_flight = 0
+        # Every hook this gate installed, as the function that removes it exactly.
+        self._root_removers: list[Callable[[], None]] = []
+        self._capture_removers: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ observable state
+
+    @property
+    def state(self) -> GateState:
+        return self._state
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (final)."""
+        return self._state is _CLOSED
+
+    @property
+    def in_flight(self) -> int:
+        """Sampled root forwards running now, on any thread."""
+        return self._in_flight
+
+    @property
+    def current_sample(self) -> Sample | None:
+        """The sample of the root forward running on this thread, if it is sampled."""
+        return self._local.sample
+
+    @property
+    def depth(self) -> int:
+        """Nesting depth of root forwards on this thread (0 outside any)."""
+        return self._local.depth
+
+    # ------------------------------------------------------------------ hooks: install / remove
+
+    def attach(self, root: nn.Module) -> None:
+        """Install the two permanent root hooks (``NEW`` -> ``IDLE``)."""
+        with self._lock:
+            if self._state is not GateState.NEW:
+                raise RuntimeError(f"a gate attaches once; this one is {self._state.value}")
+            self._root_removers = [
+                root.register_forward_pre_hook(RootPreHook(self), prepend=True).remove,
+                root.register_forward_hook(RootPostHook(self), always_call=True).remove,
+            ]
+            self._state = _IDLE
+
+    def close(self) -> None:
+        """Remove every hook and override (-> ``CLOSED``); a no-op once closed."""
+        with self._lock:
+            if self._state is _CLOSED:
+                return
+            self._state = _CLOSED
+            self._remove_capture_locked()
+            removers, self._root_removers = self._root_removers, []
+            for remove in removers:
+                remove()
+
+    def _install_capture_locked(self) -> None:
+        try:
+            for layer, ref in enumerate(self._modules):
+                module = ref()
+                if module is None or layer == self._root_layer:
+                    continue
+                if self._direct:
+                    self._capture_removers.append(install_forward_override(self, layer, module))
+                else:
+                    handle = module.register_forward_hook(CallHook(self, layer))
+                    self._capture_removers.append(handle.remove)
+        except BaseException:
+            self._remove_capture_locked()  # all or nothing
+            raise
+        self._state = _CAPTURING
+
+    def _remove_capture_locked(self) -> None:
+        removers, self._capture_removers = self._capture_removers, []
+        for remove in reversed(removers):
+            remove()
+        if self._state is _CAPTURING:
+            self._state = _IDLE
+
+    # ------------------------------------------------------------------ CaptureTarget
+
+    def root_enter(self, caller: FrameType | None = None) -> None:
+        """Forward pre-hook of the root: decide whether this root forward is sampled.
+
+        ``caller`` is the frame that runs the root's hooks; it tells a genuinely nested root call
+        from state left behind by a root forward that a BaseException (KeyboardInterrupt)
+        interrupted, which skips the always-called forward hook.
+        """
+        local = self._local
+        depth = local.depth
+        if depth and caller is not None and not _has_ancestor(caller, local.outer):
+            self._abandon(local)
+            depth = 0
+        local.depth = depth + 1
+        if depth:
+            return
+        local.outer = caller
+        if self._state is _CLOSED or in_backward():
+            return
+        if self._errors.has_deferred:
+            self._errors.report_deferred()
+        index = next(self._counter)
+        try:
+            if not self._sampler.should_sample(index):
+                if self._state is _CAPTURING and not self._in_flight:
+                    with self._lock:
+                        if self._state is _CAPTURING and not self._in_flight:
+                            self._remove_capture_locked()
+                return
+            owner = self._owner()
+            if owner is None:  # pragma: no cover - the owner holds this gate
+                return
+            with self._lock:
+                # another thread may have closed the gate since the check above
+                if self._state is _CLOSED:  # type: ignore[comparison-overlap]
+                    return
+                if self._state is _IDLE:
+                    self._install_capture_locked()
+                sample_id = self._samples
+                self._samples += 1
+                self._in_flight += 1
+            try:
+                local.sample = owner.start_sample(sample_id, index)
+            except BaseException:
+                with self._lock:
+                    self._in_flight -= 1
+                raise
+        except Exception as error:
+            self._errors.handle("sampling", error)
+
+    def _abandon(self, local: _ThreadState) -> None:
+        """Drop the state of an interrupted root forward of this thread."""
+        local.depth = 0
+        local.outer = None
+        if local.sample is not None:
+            local.sample = None
+            with self._lock:
+                self._in_flight -= 1
+
+    def root_exit(self, module: nn.Module, output: Any) -> None:
+        """Forward hook of the root (also runs when the forward raised): end the sample."""
+        local = self._local
+        if local.depth > 0:
+            local.depth -= 1
+        if not local.depth:
+            local.outer = None
+        sample = local.sample
+        if sample is None:
+            return
+        if self._root_layer is not None:
+            self.capture(self._root_layer, module, output)
+        if local.depth:
+            return
+        local.sample = None
+        with self._lock:
+            self._in_flight -= 1
+        if self._state is _CLOSED:
+            return
+        owner = self._owner()
+        if owner is None:  # pragma: no cover - the owner holds this gate
+            return
+        try:
+            owner.end_forward(sample)
+        except Exception as error:
+            self._errors.handle("forward emission", error)
+
+    def capture(self, layer: int, module: nn.Module, output: Any) -> None:
+        """One call of a selected module during a sampled forward of this thread."""
+        sample = self._local.sample
+        if sample is None or in_backward():
+            return
+        try:
+            sample.record(layer, module, output)
+        except Exception as error:
+            self._errors.handle("output capture", error)
+
+
+__all__ = ["Gate", "GateState", "SampleOwner"]

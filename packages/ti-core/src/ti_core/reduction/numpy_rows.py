@@ -1,0 +1,305 @@
+"""Profile rows with numpy, on host memory: small tensors batched, large ones in one pass.
+
+The numpy engine of :class:`~ti_core.reduction.plan.ReductionPlan` (CPU tensors, see
+:func:`~ti_core.reduction.support.uses_numpy`). Rows follow :mod:`~ti_core.reduction.layout`.
+
+- :func:`batched_rows`: small tensors as the rows of one NaN-padded matrix, sorted in place
+  (the sorted rows also serve the histograms of the same tensors).
+- :func:`reduce_large`: a large tensor read from memory once, in blocks of :data:`BLOCK`
+  entries that fit the CPU cache (SIMD comparisons, cheap compaction). Quartiles are exact:
+  sample-placed candidate bands (:mod:`~ti_core.reduction.bands`) are collected during the pass
+  and a band that misses its ranks is replaced by an exact ``numpy.partition``.
+
+Both also return the :class:`Moments` that a histogram of the same values needs, so that
+histogram costs no second pass; the caller carries them (``Measurements.moments`` and
+``Measurements.ordered``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from ti_core.reduction import layout
+from ti_core.reduction.bands import SAMPLE_SEED, SAMPLE_SIZE, sample_span
+from ti_core.reduction.quantiles import QUANTILES, lerp, lerp_array, quantile_positions
+
+BLOCK: Final = 1 << 17
+"""Entries per block of a pass over a large array: a float32 block and its float64 copy stay in
+a per-core cache."""
+
+_SEARCH_ZEROS: Final = 1 << 13
+"""From this row width on, zeros are counted by binary search in the sorted rows."""
+
+
+@dataclass(frozen=True)
+class Moments:
+    """What a pass over an array learned that a histogram of the same values needs."""
+
+    lo: float
+    hi: float
+    finite: int
+    nonfinite: int
+    total: float
+    squares: float
+
+
+def row_moments(row: np.ndarray, numel: int) -> Moments:
+    """The moments implied by the profile row of a tensor of ``numel`` entries."""
+    nf = int(row[layout.FINITE_COUNT])
+    mean, std = float(row[layout.MEAN]), float(row[layout.STD])
+    return Moments(
+        float(row[layout.MIN]),
+        float(row[layout.MAX]),
+        nf,
+        numel - nf,
+        mean * nf,
+        (std * std + mean * mean) * nf,
+    )
+
+
+class _Scratch(threading.local):
+    """Per-thread float64 work matrix of :func:`batched_rows`, kept between calls: a fresh
+    megabyte-sized array per call costs more in page faults than the arithmetic on it."""
+
+    buf: np.ndarray | None = None
+
+    def take(self, shape: tuple[int, int]) -> np.ndarray:
+        size = shape[0] * shape[1]
+        if self.buf is None or self.buf.size < size:
+            self.buf = np.empty(max(size, 1 << 16))
+        return self.buf[:size].reshape(shape)
+
+
+_scratch = _Scratch()
+
+_QUANTILE_ARRAY = np.asarray(QUANTILES, dtype=np.float64)[None, :]
+
+
+class _Band:
+    """Candidate interval ``[lo, hi]`` for one quartile, and what the pass found there.
+
+    When the sample shows ties at ``lo`` or ``hi`` (a ReLU output's zeros, say), entries equal
+    to them are only counted, so a huge tie costs no copying; otherwise every entry in the
+    closed band is collected.
+    """
+
+    def __init__(self, lo: float, hi: float, tied: bool) -> None:
+        self.lo, self.hi, self.tied = lo, hi, tied
+        self.below = 0
+        self.at_lo = 0
+        self.at_hi = 0
+        self.inside: list[np.ndarray] = []
+
+    def scan(self, c: np.ndarray) -> None:
+        lo, hi = self.lo, self.hi
+        ge = c >= lo
+        n_ge = int(np.count_nonzero(ge))
+        self.below += c.size - n_ge
+        if lo == hi:
+            self.at_lo += n_ge - int(np.count_nonzero(c > hi))
+            return
+        if self.tied:
+            gt = c > lo
+            self.at_lo += n_ge - int(np.count_nonzero(gt))
+            lt = c < hi
+            self.at_hi += int(np.count_nonzero(c == hi))
+            ge = np.logical_and(gt, lt, out=gt)
+        else:
+            ge &= c <= hi
+        idx = np.flatnonzero(ge)
+        if idx.size:
+            self.inside.append(c[idx])
+
+    def value(self, rank: int, ordered: np.ndarray) -> float | None:
+        """The value at ``rank`` of all finite entries, or None if the band misses it."""
+        r = rank - self.below
+        if r < 0:
+            return None
+        if r < self.at_lo:
+            return self.lo
+        r -= self.at_lo
+        if r < ordered.size:
+            return float(ordered[r])
+        r -= ordered.size
+        if r < self.at_hi:
+            return self.hi
+        return None
+
+
+def _bands(a: np.ndarray) -> list[_Band] | None:
+    """Sample-chosen candidate bands for the three quartiles (None: no finite sample)."""
+    gen = np.random.default_rng(SAMPLE_SEED)
+    sample = a[gen.integers(0, a.size, SAMPLE_SIZE)]
+    sample = np.sort(sample[np.isfinite(sample)])
+    m = sample.size
+    if m == 0:
+        return None
+    out = []
+    for q in QUANTILES:
+        i_lo, i_hi = sample_span(q, q, m)
+        i_lo, i_hi = max(i_lo, 0), min(i_hi, m - 1)
+        lo = float(sample[i_lo]) if i_lo > 0 else -math.inf
+        hi = float(sample[i_hi]) if i_hi < m - 1 else math.inf
+        ends = sample[[i_lo, i_hi]]
+        repeats = np.searchsorted(sample, ends, "right") - np.searchsorted(sample, ends, "left")
+        out.append(_Band(lo, hi, tied=bool((repeats > 1).any())))
+    return out
+
+
+def reduce_large(a: np.ndarray) -> tuple[np.ndarray, Moments]:
+    """The exact profile row of a 1-D float32/float64 array, and the moments a histogram of
+    the same array needs."""
+    n = a.size
+    bands = _bands(a)
+    # Shifting by a central value before summing keeps the one-pass variance exact in
+    # float64: |mean - median| <= std, so E[(x - k)^2] is at most 2 var.
+    shift = 0.0
+    if bands is not None and math.isfinite(bands[1].lo) and math.isfinite(bands[1].hi):
+        shift = 0.5 * (bands[1].lo + bands[1].hi)
+    lo_all, hi_all = math.inf, -math.inf
+    zeros = nonfinite = 0
+    s1 = s2 = 0.0
+    buf = np.empty(min(BLOCK, n), dtype=np.float64)
+    for start in range(0, n, BLOCK):
+        c = a[start : start + BLOCK]
+        zeros += int(np.count_nonzero(c == 0))
+        cmin, cmax = float(c.min()), float(c.max())
+        if not (math.isfinite(cmin) and math.isfinite(cmax)):
+            c = c[np.isfinite(c)]
+            nonfinite += min(BLOCK, n - start) - c.size
+            if c.size == 0:
+                continue
+            cmin, cmax = float(c.min()), float(c.max())
+        lo_all, hi_all = min(lo_all, cmin), max(hi_all, cmax)
+        d = buf[: c.size]
+        np.subtract(c, shift, out=d, dtype=np.float64)
+        s1 += float(d.sum())
+        s2 += float(np.einsum("i,i->", d, d))  # not BLAS: no thread pool, no contention
+        if bands is not None:
+            for band in bands:
+                band.scan(c)
+    nf = n - nonfinite
+    row = np.full(layout.WIDTH, math.nan)
+    row[layout.ZERO_FRACTION] = zeros / n
+    row[layout.NONFINITE_FRACTION] = nonfinite / n
+    row[layout.FINITE_COUNT] = nf
+    if nf == 0:
+        return row, Moments(lo_all, hi_all, 0, nonfinite, 0.0, 0.0)
+    mean_shifted = s1 / nf
+    var = s2 / nf - mean_shifted * mean_shifted
+    mean = shift + mean_shifted
+    total = s1 + nf * shift
+    if mean_shifted * mean_shifted > 1e6 * max(var, 0.0):
+        # The shift was far from the mean (a skewed sample): sum again around the mean.
+        r1, r2 = _centered_sums(a, mean, nonfinite > 0)
+        mean, var, total = mean + r1 / nf, r2 / nf - (r1 / nf) ** 2, nf * mean + r1
+    var = max(var, 0.0)
+    row[layout.MEAN] = mean
+    row[layout.STD] = math.sqrt(var)
+    row[layout.MIN] = lo_all
+    row[layout.MAX] = hi_all
+    row[layout.QUARTILES] = _quartiles(a, nf, bands)
+    # sum(x^2) = n (var + mean^2): two non-negative terms, no cancellation.
+    return row, Moments(lo_all, hi_all, nf, nonfinite, total, nf * (var + mean * mean))
+
+
+def _centered_sums(a: np.ndarray, center: float, has_nonfinite: bool) -> tuple[float, float]:
+    """``sum(x - center)`` and ``sum((x - center) ** 2)`` over the finite entries."""
+    s1 = s2 = 0.0
+    buf = np.empty(min(BLOCK, a.size), dtype=np.float64)
+    for start in range(0, a.size, BLOCK):
+        c = a[start : start + BLOCK]
+        if has_nonfinite:
+            c = c[np.isfinite(c)]
+        d = buf[: c.size]
+        np.subtract(c, center, out=d, dtype=np.float64)
+        s1 += float(d.sum())
+        s2 += float(np.einsum("i,i->", d, d))
+    return s1, s2
+
+
+def _quartiles(a: np.ndarray, nf: int, bands: list[_Band] | None) -> list[float]:
+    out: list[float] = []
+    missed = bands is None
+    for j, (lo, hi, frac) in enumerate(quantile_positions(nf)):
+        if bands is None:
+            break
+        band = bands[j]
+        ordered = np.sort(np.concatenate(band.inside)) if band.inside else np.empty(0)
+        band.inside = []
+        va, vb = band.value(lo, ordered), band.value(hi, ordered)
+        if va is None or vb is None:
+            missed = True
+            break
+        out.append(lerp(va, vb, frac))
+    if not missed:
+        return out
+    finite = a[np.isfinite(a)] if nf < a.size else a.copy()
+    positions = quantile_positions(nf)
+    ranks = sorted({r for lo, hi, _ in positions for r in (lo, hi)})
+    finite.partition(ranks)
+    return [lerp(float(finite[lo]), float(finite[hi]), frac) for lo, hi, frac in positions]
+
+
+def batched_rows(x: np.ndarray, numel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Profile rows of the rows of ``x`` (float32 or float64, NaN-padded; the unpadded lengths
+    are ``numel``), one small tensor per row. Sums are in float64.
+    ``x`` is scratch: its rows are sorted in place. Also returns the sorted matrix: the first
+    ``finite count`` entries of each of its rows are that row's finite values, ascending."""
+    k, width = x.shape
+    f64 = np.float64
+    out = np.empty((k, layout.WIDTH))
+    with np.errstate(all="ignore"):  # rows without finite entries give NaN, masked later
+        sums = np.add.reduce(x, axis=1, dtype=f64)
+        # Finite sums mean every entry is finite (NaN and inf propagate): the common case,
+        # without padding, skips the masking passes.
+        if np.isfinite(sums).all():
+            nf = np.full(k, float(width))
+            mean = sums / width
+            d = np.subtract(x, mean[:, None], out=_scratch.take((k, width)))
+            key = x
+        else:
+            finite = np.isfinite(x)
+            nf = np.count_nonzero(finite, axis=1).astype(f64)
+            mean = np.add.reduce(np.where(finite, x, 0.0), axis=1, dtype=f64) / nf
+            d = np.subtract(x, mean[:, None], out=_scratch.take((k, width)))
+            d[~finite] = 0.0
+            key = np.where(finite, x, x.dtype.type(math.inf))
+        out[:, layout.MEAN] = mean
+        out[:, layout.STD] = np.sqrt(np.einsum("ij,ij->i", d, d) / nf)
+        if width < _SEARCH_ZEROS:
+            zeros = np.count_nonzero(x == 0, axis=1)
+        key.sort(axis=1)  # numpy's SIMD sort, in place: ``x`` is the caller's scratch matrix
+        ordered = key
+        if width >= _SEARCH_ZEROS:  # zeros (and -0.0) are one run of each sorted row
+            # a zero of the rows' own dtype: a Python float would make numpy search a
+            # float64 copy of each row
+            zero = key.dtype.type(0)
+            zeros = np.array(
+                [np.searchsorted(r, zero, "right") - np.searchsorted(r, zero, "left") for r in key]
+            )
+        # numpy's "linear" quantile: positions q * (n - 1), interpolated between the two
+        # neighbouring order statistics with numpy's ``_lerp`` (exact at both ends)
+        last = np.maximum(nf - 1.0, 0.0)[:, None]
+        pos = last * _QUANTILE_ARRAY
+        lo = np.floor(pos)
+        t = pos - lo
+        idx = np.concatenate([last, lo, np.minimum(lo + 1.0, last)], axis=1).astype(np.intp)
+        picked = np.take_along_axis(ordered, idx, axis=1).astype(f64)
+        q = len(QUANTILES)
+        a, b = picked[:, 1 : 1 + q], picked[:, 1 + q :]
+        out[:, layout.MIN] = ordered[:, 0]
+        out[:, layout.MAX] = picked[:, 0]
+        out[:, layout.QUARTILES] = lerp_array(a, b, t)
+        out[:, layout.ZERO_FRACTION] = zeros / numel
+        out[:, layout.NONFINITE_FRACTION] = (numel - nf) / numel
+        out[:, layout.FINITE_COUNT] = nf
+    return out, ordered
+
+
+__all__ = ["BLOCK", "Moments", "batched_rows", "reduce_large", "row_moments"]
