@@ -30,7 +30,7 @@ from ti_core.sampling import (
     interval_seconds,
 )
 from ti_core.selection import Selector, select_modules, unwrap_compiled
-from ti_core.sink import RunInfo, Sink
+from ti_core.sink import RunInfo, Sink, sink_capabilities
 from ti_schema import histogram_schema, history_schema
 
 DEFAULT_OUTPUT_DIR = "stats"
@@ -164,6 +164,7 @@ def inject_observer(
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
     plan = ReductionPlan(default_reducers() if reducers is None else reducers)
     sinks = _resolve_sinks(output_dir, sink)
+    background = _background_allowed(plan, sinks, errors)  # reads each sink's declaration
     ranks = resolve.select_rank(policy)
     if not ranks.observe:
         return
@@ -222,25 +223,23 @@ def inject_observer(
         errors=errors,
         capture_direct_forwards=capture_direct_forwards,
         columns=columns,
-        background=_background_allowed(plan, sinks, errors),
+        background=background,
     )
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)
 
 
 def _background_allowed(plan: ReductionPlan, sinks: Sequence[Sink], errors: ErrorPolicy) -> bool:
-    """Whether reductions and writes may leave the training thread (DESIGN §5 step 4).
+    """Whether reductions and writes may leave the training thread (docs/capture.md).
 
     Only when nothing the user wrote runs there and nothing must fail on the training thread:
     the default profile only (a custom reducer is user code), every sink declares
-    ``accepts_background_writes`` (the Sink protocol promises calls on the training thread
-    otherwise), and the error policy is not ``raise`` (which must raise in the training step).
+    ``SinkCapabilities(background_writes=True)`` (the Sink protocol promises calls on the
+    training thread otherwise), and the error policy is not ``raise`` (which must raise in the
+    training step). Reading the declarations raises TypeError for a malformed one.
     """
-    return (
-        plan.default_only
-        and not errors.raises
-        and all(getattr(sink, "accepts_background_writes", False) for sink in sinks)
-    )
+    declared = [sink_capabilities(sink).background_writes for sink in sinks]
+    return plan.default_only and not errors.raises and all(declared)
 
 
 def remove_observer(model: nn.Module) -> None:

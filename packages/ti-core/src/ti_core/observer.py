@@ -44,7 +44,7 @@ from ti_core.records import (
     unavailable_batch,
 )
 from ti_core.sampling import Sampler
-from ti_core.sink import RunInfo, Sink
+from ti_core.sink import RunInfo, Sink, sink_capabilities
 from ti_core.snapshots import SnapshotPool
 
 if TYPE_CHECKING:
@@ -162,9 +162,9 @@ class Observer:
         if self._worker is not None:
             barrier = _barrier(self)
             for sink in self._sinks:
-                attach_barrier = getattr(sink, "attach_barrier", None)
-                if attach_barrier is not None:
-                    attach_barrier(barrier)
+                on_barrier = sink_capabilities(sink).on_barrier
+                if on_barrier is not None:
+                    on_barrier(barrier)
 
     @property
     def emission_thread(self) -> threading.Thread | None:
