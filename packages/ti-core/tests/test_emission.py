@@ -36,6 +36,7 @@ from ti_core import (
     MemorySink,
     Reducer,
     RunInfo,
+    SinkCapabilities,
     TelemetryWarning,
     default_reducers,
     inject_observer,
@@ -277,7 +278,7 @@ class GatedSink(MemorySink):
 
 
 class PlainSink:
-    """A user sink with the Sink protocol only (no ``accepts_background_writes``)."""
+    """A user sink with the Sink protocol only (no ``capabilities()`` declaration)."""
 
     def __init__(self) -> None:
         self.threads: set[int] = set()
@@ -300,7 +301,8 @@ class PlainSink:
 class BrokenBackgroundSink:
     """Declares thread-safe writes, then fails every history write."""
 
-    accepts_background_writes = True
+    def capabilities(self) -> SinkCapabilities:
+        return SinkCapabilities(background_writes=True)
 
     def __init__(self) -> None:
         self.failed_on: set[int] = set()

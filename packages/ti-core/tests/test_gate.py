@@ -1,5 +1,5 @@
 """The gate's documented states on a real model, the public accessor, and the one place that
-reads sink capabilities."""
+reads sink capabilities (ti-schema's declarations)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from ti_core import (
     EveryNForwardsSampler,
     MemorySink,
     RunInfo,
+    SinkCapabilities,
     has_observer,
     inject_observer,
     observer_of,
     remove_observer,
 )
-from ti_core.emission.sinks import sink_capabilities
+from ti_core.emission.sinks import read_capabilities
 from ti_core.gate import GateState
 
 
@@ -115,27 +116,32 @@ class _PlainSink:
 
 
 class _DeclaringSink(_PlainSink):
-    accepts_background_writes = True
-
     def __init__(self) -> None:
         self.barriers: list[Callable[[], None]] = []
         self.writers: list[threading.Thread] = []
 
-    def attach_barrier(self, barrier: Callable[[], None]) -> None:
-        self.barriers.append(barrier)
+    def capabilities(self) -> SinkCapabilities:
+        return SinkCapabilities(background_writes=True, on_barrier=self.barriers.append)
 
     def write_history(self, batch: pa.RecordBatch) -> None:
         self.writers.append(threading.current_thread())
 
 
-def test_sink_capabilities_reads_both_declarations() -> None:
-    plain = sink_capabilities(_PlainSink())
-    assert plain.background_writes is False
-    assert plain.attach_barrier is None
+class _UndeclaredSink(_PlainSink):
+    """The 0.1 attribute spelling, no ``capabilities()``: nothing is probed, so a plain sink."""
+
+    accepts_background_writes = True
+
+    def attach_barrier(self, barrier: Callable[[], None]) -> None:
+        raise AssertionError("attach_barrier is not probed")
+
+
+def test_read_capabilities_reads_each_declaration_and_probes_nothing() -> None:
     declaring = _DeclaringSink()
-    caps = sink_capabilities(declaring)
-    assert caps.background_writes is True
-    assert caps.attach_barrier == declaring.attach_barrier
+    plain, undeclared, declared = read_capabilities([_PlainSink(), _UndeclaredSink(), declaring])
+    assert plain == undeclared == SinkCapabilities()
+    assert declared.background_writes is True
+    assert declared.on_barrier == declaring.barriers.append
 
 
 @pytest.mark.parametrize("background", [True, False])

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from _io_helpers import Synth, make_run
 
@@ -20,7 +21,8 @@ from ti_io import (
     scan_history,
 )
 from ti_io.cli import main
-from ti_schema import DEFAULT_METRICS, validate_result_json
+from ti_schema import DEFAULT_METRICS, polars_write_options, validate_result_json
+from ti_schema.layout import rank_dir_name
 from ti_schema.testing import load_strict_json
 
 
@@ -106,6 +108,27 @@ def test_cli_validate_summary_consolidate(
     report = capsys.readouterr().out
     assert "result.json: not strict JSON" in report
     assert "'extra'" in report
+
+
+def test_cli_validate_reads_footers_and_checks_rank_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for rank in (0, 1):  # the synthetic rows all say rank 0
+        run = make_run(rank_subdir=rank_dir_name(rank))
+        s = Synth(run)
+        sink = DirectorySink(tmp_path)
+        sink.open(run)
+        sink.write_history(s.history(0))
+        sink.close()
+    # Rewritten by Polars as the contract says (polars_write_options): `ti` only in the footer.
+    history = tmp_path / "rank-000" / "history.parquet"
+    schema = pq.read_schema(history)
+    pl.read_parquet(history).write_parquet(history, **polars_write_options(schema))
+    assert b"ti" not in (pq.read_table(history).schema.metadata or {})
+    assert main(["validate", str(tmp_path)]) == 1
+    report = capsys.readouterr().out
+    assert report.splitlines()[0] == f"{tmp_path}: 1 problem(s)"
+    assert "rank-001/history.parquet: sits in rank-001/ but holds rank values [0]" in report
 
 
 def test_cli_escapes_names_in_the_terminal(

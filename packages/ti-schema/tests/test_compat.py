@@ -98,6 +98,14 @@ def test_check_compatible_refuses_foreign_and_missing_metadata() -> None:
     assert info.value.kinds == {"missing_metadata"}
 
 
+def test_schema_names_outside_the_contract_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"check_compatible\(expected\) must be one of"):
+        check_compatible(example_history_table(), "ti.histroy")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"schema_metadata\(schema_name\) must be one of"):
+        ti_schema.schema_metadata("history")  # type: ignore[arg-type]
+    assert ti_schema.SCHEMA_NAMES == (ti_schema.HISTORY, ti_schema.HISTOGRAMS)
+
+
 def test_newer_minor_may_add_nullable_columns() -> None:
     table = at_version(example_history_table(), "1.1")
     grown = table.append_column(

@@ -18,7 +18,7 @@ from torch import nn
 
 from ti_core import resolve
 from ti_core.capture.hooks import scrub_copied_hooks
-from ti_core.emission.sinks import sink_capabilities
+from ti_core.emission.sinks import read_capabilities
 from ti_core.errors import ErrorPolicy, ErrorPolicyName, ObserverAlreadyAttachedError
 from ti_core.observer import Observer
 from ti_core.ranks import RankPolicy
@@ -31,7 +31,7 @@ from ti_core.sampling import (
     interval_seconds,
 )
 from ti_core.selection import Selector, select_modules, unwrap_compiled
-from ti_core.sink import RunInfo, Sink
+from ti_core.sink import RunInfo, Sink, SinkCapabilities
 from ti_schema import histogram_schema, history_schema
 
 DEFAULT_OUTPUT_DIR: Final = "stats"
@@ -179,6 +179,7 @@ def inject_observer(
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
     plan = ReductionPlan(default_reducers() if reducers is None else reducers)
     sinks = _resolve_sinks(output_dir, sink)
+    capabilities = read_capabilities(sinks)  # TypeError for a malformed one, before any opens
     ranks = resolve.select_rank(policy)
     if not ranks.observe:
         return
@@ -237,25 +238,29 @@ def inject_observer(
         errors=errors,
         capture_direct_forwards=capture_direct_forwards,
         columns=columns,
-        background=_background_allowed(plan, sinks, errors),
+        capabilities=capabilities,
+        background=_background_allowed(plan, capabilities, errors),
     )
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)
 
 
-def _background_allowed(plan: ReductionPlan, sinks: Sequence[Sink], errors: ErrorPolicy) -> bool:
+def _background_allowed(
+    plan: ReductionPlan, capabilities: Sequence[SinkCapabilities], errors: ErrorPolicy
+) -> bool:
     """Whether reductions and writes may leave the training thread (docs/capture.md, "Where
     the reduction runs").
 
     Only when nothing the user wrote runs there and nothing must fail on the training thread:
     the default profile only (a custom reducer is user code), every sink declares
-    ``accepts_background_writes`` (the Sink protocol promises calls on the training thread
-    otherwise), and the error policy is not ``raise`` (which must raise in the training step).
+    ``SinkCapabilities(background_writes=True)`` (the Sink protocol promises calls on the
+    training thread otherwise), and the error policy is not ``raise`` (which must raise in the
+    training step).
     """
     return (
         plan.default_only
         and not errors.raises
-        and all(sink_capabilities(sink).background_writes for sink in sinks)
+        and all(declared.background_writes for declared in capabilities)
     )
 
 

@@ -9,25 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import polars as pl
-import pyarrow.parquet as pq
 
 from ti_io.config import HistoryConfig
 from ti_io.consolidate import consolidate
 from ti_io.errors import NothingToConsolidateError
 from ti_io.facts import read_catalog, read_run_facts
-from ti_io.layout import (
-    HISTOGRAM_PARTS,
-    HISTOGRAMS_FILE,
-    HISTORY_FILE,
-    HISTORY_PARTS,
-    INDEX_FILE,
-    RANK_DIR,
-    RESULT_FILE,
-    list_parts,
-)
 from ti_io.readers import scan_history
 from ti_io.result_json import TENSOR_KEYS, aggregate
-from ti_schema import DEFAULT_METRICS
+from ti_schema import DEFAULT_METRICS, SIGNALS, Signal
+from ti_schema.artifacts import artifact_dir_problems
+from ti_schema.layout import HISTORY_FILE
 
 
 def display_name(name: str) -> str:
@@ -39,7 +30,9 @@ def display_name(name: str) -> str:
     return json.dumps(name, ensure_ascii=False)[1:-1]
 
 
-def _summary_frame(directory: Path, metrics: Sequence[str], signals: Sequence[str]) -> pl.DataFrame:
+def _summary_frame(
+    directory: Path, metrics: Sequence[str], signals: Sequence[Signal]
+) -> pl.DataFrame:
     facts = read_run_facts(directory)
     history = scan_history(directory)
     if metrics:
@@ -127,71 +120,14 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validation_problems(directory: Path) -> list[str]:
-    from ti_schema import (
-        SchemaMismatchError,
-        validate_histograms,
-        validate_history,
-        validate_result_json,
-    )
-
-    problems: list[str] = []
-
-    def check_parquet(path: Path, histograms: bool) -> None:
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:
-            problems.append(f"{path}: cannot be read as Parquet ({exc})")
-            return
-        try:
-            (validate_histograms if histograms else validate_history)(table)
-        except SchemaMismatchError as error:
-            problems.extend(f"{path}: {m}" for m in error.mismatches)
-
-    history = directory / HISTORY_FILE
-    parts = list_parts(directory / HISTORY_PARTS)
-    if history.is_file():
-        check_parquet(history, False)
-    elif not parts and not (directory / HISTORY_PARTS).is_dir():
-        problems.append(f"{history}: missing")
-    for part in parts:
-        check_parquet(part, False)
-    histograms = directory / HISTOGRAMS_FILE
-    if histograms.is_file():
-        check_parquet(histograms, True)
-    for part in list_parts(directory / HISTOGRAM_PARTS):
-        check_parquet(part, True)
-    result = directory / RESULT_FILE
-    try:
-        data = json.loads(
-            result.read_text(encoding="utf-8"),
-            parse_constant=lambda token: (_ for _ in ()).throw(
-                ValueError(f"{token} is not strict JSON")
-            ),
-        )
-    except FileNotFoundError:
-        problems.append(f"{result}: missing")
-    except ValueError as exc:
-        problems.append(f"{result}: not strict JSON ({exc})")
-    else:
-        try:
-            validate_result_json(data)
-        except SchemaMismatchError as error:
-            problems.extend(f"{result}: {m}" for m in error.mismatches)
-    if not (directory / INDEX_FILE).is_file():
-        problems.append(f"{directory / INDEX_FILE}: missing")
-    return problems
-
-
 def _validate(args: argparse.Namespace) -> int:
     root = Path(args.dir)
-    if not root.is_dir():
-        print(f"ti validate: {root} is not a directory", file=sys.stderr)
+    try:
+        # Live and interrupted runs are checked as they stand: parts, catalog and index.md.
+        problems = artifact_dir_problems(root, allow_live=True)
+    except NotADirectoryError as exc:
+        print(f"ti validate: {exc}", file=sys.stderr)
         return 1
-    ranks = sorted(c for c in root.iterdir() if c.is_dir() and RANK_DIR.fullmatch(c.name))
-    problems: list[str] = []
-    for directory in ranks or [root]:
-        problems += _validation_problems(directory)
     if problems:
         print(f"{root}: {len(problems)} problem(s)")
         for problem in problems:
@@ -233,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument(
         "--signal",
         action="append",
-        choices=("output", "output_gradient"),
+        choices=SIGNALS,
         help="only this signal (repeatable)",
     )
     summary.set_defaults(run=_summary)

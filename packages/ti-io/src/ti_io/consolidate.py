@@ -28,20 +28,19 @@ from ti_io.digest import HistoryDigest
 from ti_io.errors import NothingToConsolidateError
 from ti_io.facts import RunFacts, read_run_facts
 from ti_io.index_md import write_index
-from ti_io.layout import (
+from ti_io.parts import dictionary_columns
+from ti_io.publishing import publish_with, retire_dir
+from ti_io.result_json import render, write_result_json
+from ti_schema import histogram_schema, history_schema
+from ti_schema.layout import (
     HISTOGRAM_PARTS,
     HISTOGRAMS_FILE,
     HISTORY_FILE,
     HISTORY_PARTS,
-    RANK_DIR,
     RESULT_FILE,
     list_parts,
-    publish_with,
-    retire_dir,
+    list_rank_dirs,
 )
-from ti_io.parts import dictionary_columns
-from ti_io.result_json import render, write_result_json
-from ti_schema import histogram_schema, history_schema
 
 FINAL_COMPRESSION: Final[str] = "zstd"
 ROW_GROUP_ROWS: Final[int] = 131_072
@@ -262,7 +261,7 @@ def consolidate(
             hist = directory / HISTOGRAMS_FILE
             hist_rows = pq.read_metadata(hist).num_rows if hist.is_file() else 0
             return Consolidated(directory, rows, hist_rows, 0, already_done=True)
-        ranks = sorted(c.name for c in directory.iterdir() if RANK_DIR.fullmatch(c.name))
+        ranks = [child.name for _, child in list_rank_dirs(directory)]
         if ranks:
             raise NothingToConsolidateError(
                 f"{directory} holds rank-private runs ({', '.join(ranks[:4])}"

@@ -14,16 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from ti_io.layout import HISTORY_PARTS, RESULT_FILE, RUN_FILE, publish_text
-
-if TYPE_CHECKING:  # types only: importing ti_io must not import torch (ti_core does)
-    from ti_core.sink import RunInfo
+from ti_io.publishing import publish_text
+from ti_schema.layout import HISTORY_PARTS, RESULT_FILE, RUN_FILE
+from ti_schema.sink import RunInfo
 
 
 class LayerLike(Protocol):
-    """A catalog entry: ``ti_core.LayerInfo`` or :class:`CatalogLayer`."""
+    """A catalog entry: ``ti_schema.LayerInfo`` or :class:`CatalogLayer`."""
 
     @property
     def name(self) -> str: ...

@@ -20,7 +20,7 @@ from typing import Final
 import polars as pl
 
 from ti_io.facts import RunFacts, started_at_text
-from ti_io.layout import publish_text
+from ti_io.publishing import publish_text
 from ti_schema import METRIC_DEFINITIONS, SCHEMA_VERSION, histogram_schema, history_schema
 
 _MD_SPECIAL: Final[re.Pattern[str]] = re.compile(

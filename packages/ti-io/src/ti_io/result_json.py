@@ -18,7 +18,7 @@ from typing import Any, Final
 import polars as pl
 
 from ti_io.facts import LayerLike
-from ti_io.layout import publish_text
+from ti_io.publishing import publish_text
 from ti_schema import SIGNALS
 from ti_schema.result_json import AGGREGATE_KEYS
 

@@ -15,10 +15,10 @@ from typing import Any, Final, TypeAlias
 import pyarrow as pa
 
 from ti_schema.errors import Mismatch, SchemaMismatchError
-from ti_schema.schemas import HISTOGRAMS, HISTORY, METADATA_KEY
+from ti_schema.schemas import HISTOGRAMS, HISTORY, METADATA_KEY, SchemaName, check_schema_name
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_VERSION
 
-KNOWN_VERSIONS: Final[dict[str, tuple[str, ...]]] = {
+KNOWN_VERSIONS: Final[dict[SchemaName, tuple[str, ...]]] = {
     HISTORY: (SCHEMA_VERSION,),
     HISTOGRAMS: (SCHEMA_VERSION,),
 }
@@ -101,7 +101,7 @@ def parse_metadata(source: MetadataSource) -> dict[str, Any]:
 
 
 def version_problems(
-    doc: Mapping[str, Any], expected: str
+    doc: Mapping[str, Any], expected: SchemaName
 ) -> tuple[tuple[int, int] | None, list[Mismatch]]:
     """Check a decoded ``ti`` object against schema ``expected``: its version and problems."""
     problems: list[Mismatch] = []
@@ -147,13 +147,14 @@ def version_problems(
     return version, problems
 
 
-def check_compatible(source: MetadataSource, expected: str = HISTORY) -> tuple[int, int]:
+def check_compatible(source: MetadataSource, expected: SchemaName = HISTORY) -> tuple[int, int]:
     """Decide from its ``ti`` metadata whether this reader may read ``source`` as ``expected``.
 
     Returns the data's ``(major, minor)``: any minor of this reader's major is accepted (a newer
     minor may only have added nullable columns, which the ``validate_*`` functions check).
     Raises :class:`SchemaMismatchError` for missing or foreign metadata and for another major.
     """
+    expected = check_schema_name(expected, "check_compatible(expected)")
     doc, problems = read_metadata(source)
     version = None
     if doc is not None:

@@ -1,10 +1,14 @@
-"""The Arrow schemas of the contract: ``ti.history`` and ``ti.histograms`` (DESIGN §3)."""
+"""The Arrow schemas of the contract, ``ti.history`` and ``ti.histograms`` (docs/data-contract.md).
+
+Each column has a one-line doc in its field metadata; the ``ti`` schema metadata names the schema,
+the contract version and the producer.
+"""
 
 from __future__ import annotations
 
 import json
 from importlib import metadata
-from typing import Final
+from typing import Final, Literal, get_args
 
 import pyarrow as pa
 
@@ -13,8 +17,21 @@ from ti_schema.version import SCHEMA_VERSION
 METADATA_KEY: Final[bytes] = b"ti"
 """The single schema-metadata key; its value is JSON ``{schema, schema_version, producer}``."""
 
-HISTORY: Final[str] = "ti.history"
-HISTOGRAMS: Final[str] = "ti.histograms"
+SchemaName = Literal["ti.history", "ti.histograms"]
+"""The name of a contract schema, as the ``schema`` key of the ``ti`` metadata says it."""
+
+HISTORY: Final = "ti.history"
+HISTOGRAMS: Final = "ti.histograms"
+SCHEMA_NAMES: Final[tuple[SchemaName, ...]] = get_args(SchemaName)
+
+
+def check_schema_name(name: object, argument: str) -> SchemaName:
+    """``name`` when it names a contract schema; else a ValueError naming ``argument``."""
+    for known in SCHEMA_NAMES:
+        if name == known:
+            return known
+    raise ValueError(f"{argument} must be one of {list(SCHEMA_NAMES)}, got {name!r}")
+
 
 # (name, type, nullable, one-line doc). The identity columns are shared by both schemas.
 _IDENTITY: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
@@ -101,10 +118,10 @@ def default_producer() -> str:
         return "ti-schema unknown"
 
 
-def schema_metadata(schema_name: str, producer: str | None = None) -> dict[bytes, bytes]:
+def schema_metadata(schema_name: SchemaName, producer: str | None = None) -> dict[bytes, bytes]:
     """The ``ti`` schema-metadata entry for ``schema_name`` written by ``producer``."""
     doc = {
-        "schema": schema_name,
+        "schema": check_schema_name(schema_name, "schema_metadata(schema_name)"),
         "schema_version": SCHEMA_VERSION,
         "producer": producer or default_producer(),
     }
@@ -112,7 +129,7 @@ def schema_metadata(schema_name: str, producer: str | None = None) -> dict[bytes
 
 
 def _build(
-    name: str, columns: tuple[tuple[str, pa.DataType, bool, str], ...], producer: str | None
+    name: SchemaName, columns: tuple[tuple[str, pa.DataType, bool, str], ...], producer: str | None
 ) -> pa.Schema:
     fields = [
         pa.field(col, typ, nullable=nullable, metadata={b"doc": doc.encode()})
@@ -122,7 +139,7 @@ def _build(
 
 
 def history_schema(producer: str | None = None) -> pa.Schema:
-    """The ``ti.history`` schema: one row per scalar measurement (DESIGN §3.1)."""
+    """The ``ti.history`` schema: one row per scalar measurement."""
     return _build(HISTORY, _IDENTITY + _HISTORY_VALUES, producer)
 
 
