@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from ti_schema.compat import KNOWN_VERSIONS, check_compatible, parse_metadata, parse_version
+from ti_schema.compat import (
+    KNOWN_VERSIONS,
+    OPTIONAL_KEYS,
+    check_compatible,
+    parse_metadata,
+    parse_version,
+)
 from ti_schema.errors import MISMATCH_KINDS, Mismatch, SchemaMismatchError
 from ti_schema.interop import footer_metadata, large_types, polars_write_options
 from ti_schema.names import (
@@ -20,6 +26,8 @@ from ti_schema.schemas import (
     HISTORY,
     IDENTITY_COLUMNS,
     METADATA_KEY,
+    PLACEHOLDERS,
+    UNRECORDABLE_COLUMNS,
     histogram_schema,
     history_schema,
     schema_metadata,
@@ -40,9 +48,12 @@ __all__ = [
     "METRIC_DEFINITIONS",
     "MISMATCH_KINDS",
     "MODES",
+    "OPTIONAL_KEYS",
+    "PLACEHOLDERS",
     "RESULT_JSON_SCHEMA",
     "SCHEMA_VERSION",
     "SIGNALS",
+    "UNRECORDABLE_COLUMNS",
     "Mismatch",
     "SchemaMismatchError",
     "check_compatible",
