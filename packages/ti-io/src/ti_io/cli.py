@@ -51,12 +51,8 @@ def _summary_frame(directory: Path, metrics: Sequence[str], signals: Sequence[st
         pl.col("value").sort_by("sample_id").last().alias("latest"),
         pl.col("sample_id").max().alias("latest_sample"),
     )
-    window = facts.window
     table = (
-        aggregate(history, window)
-        .with_columns(  # as in result.json: no window mean from fewer than `window` samples
-            pl.when(pl.col("observations") >= window).then(pl.col("recent_window_mean"))
-        )
+        aggregate(history, facts.window)  # the run's window: run.json live, the footer after
         .join(latest, on=keys, how="left")
         .select(
             *keys,
@@ -113,7 +109,8 @@ def _summary(args: argparse.Namespace) -> int:
     table = _summary_frame(directory, args.metric or [], args.signal or [])
     live = not (directory / HISTORY_FILE).is_file()
     status = "live or unconsolidated (from history.parts)" if live else "finalized"
-    print(f"{directory}: {status}")
+    window = read_run_facts(directory).window
+    print(f"{directory}: {status}; recent_window_mean over the last window {window} samples")
     with pl.Config(
         tbl_rows=-1,
         tbl_cols=-1,

@@ -197,8 +197,13 @@ def _finalize(directory: Path, facts: RunFacts) -> Consolidated:
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
     producer = _producer(facts)
     digest = HistoryDigest()
+    # The footer records the window of result.json's window means (a contract 1.1 run fact), so
+    # readers of the finalized run (``ti summary``) use the run's window.
     history_rows = _stream_parts(
-        history_parts, directory / HISTORY_FILE, history_schema(producer), digest
+        history_parts,
+        directory / HISTORY_FILE,
+        history_schema(producer, window=facts.window),
+        digest,
     )
     # Arrow's allocator keeps the streamed row groups' memory for reuse; handing it back
     # before the aggregation keeps the peak of a 900,000-row finalization near 130 MB
