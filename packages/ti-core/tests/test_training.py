@@ -67,7 +67,7 @@ def test_training_is_bit_identical_with_and_without_observer() -> None:
     expected = train(plain, steps=6)
 
     sink = MemorySink()
-    inject_observer(observed, sink=sink, sampler=EveryNForwardsSampler(2))
+    inject_observer(observed, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(2))
     assert list(observed.state_dict()) == keys_before
     got = train(observed, steps=6)
     remove_observer(observed)
@@ -97,7 +97,7 @@ def test_training_is_bit_identical_with_and_without_observer() -> None:
 def test_threads_keep_their_own_samples() -> None:
     model = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Tanh())
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     inputs = {i: torch.full((2, 4), float(i + 1), dtype=torch.float64) / 10 for i in range(4)}
     scales = {i: float(i + 1) for i in range(4)}
     barrier = threading.Barrier(4)
@@ -155,12 +155,12 @@ def test_torch_compile_before_or_after_injection_records_eager_statistics() -> N
         sink = MemorySink()
         if compile_first is None:
             target: nn.Module = model
-            inject_observer(target, sink=sink, sampler=EveryNForwardsSampler(2))
+            inject_observer(target, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(2))
         elif compile_first:
             target = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
-            inject_observer(target, sink=sink, sampler=EveryNForwardsSampler(2))
+            inject_observer(target, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(2))
         else:
-            inject_observer(model, sink=sink, sampler=EveryNForwardsSampler(2))
+            inject_observer(model, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(2))
             target = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
         for _ in range(4):
             target(x).sum().backward()

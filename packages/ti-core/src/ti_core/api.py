@@ -12,7 +12,7 @@ from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from os import PathLike
-from typing import Any
+from typing import Any, Final
 
 from torch import nn
 
@@ -33,7 +33,15 @@ from ti_core.selection import Selector, select_modules, unwrap_compiled
 from ti_core.sink import RunInfo, Sink
 from ti_schema import histogram_schema, history_schema
 
-DEFAULT_OUTPUT_DIR = "stats"
+
+class _DefaultOutputDir(str):
+    """The default ``output_dir``: equal to ``"stats"``, told apart from an explicit
+    ``output_dir="stats"`` by identity (a DirectorySink in ``sink=`` replaces only the default)."""
+
+    __slots__ = ()
+
+
+DEFAULT_OUTPUT_DIR: Final[str] = _DefaultOutputDir("stats")
 
 
 def _producer() -> str:
@@ -63,6 +71,12 @@ def _check_sink(candidate: object, where: str) -> Sink:
 def _resolve_sinks(
     output_dir: str | PathLike[str] | None, sink: Sink | Sequence[Sink] | None
 ) -> list[Sink]:
+    """The run's sinks: the directory sink for ``output_dir`` (ti-io), then those of ``sink=``.
+
+    ``sink=`` adds to the directory: ``output_dir`` keeps its default ``"stats"`` unless it is
+    passed as None (the in-memory / own-sink form, which needs only ti-core). A directory sink
+    given in ``sink=`` (for its settings) is the run's directory: the default adds no second one.
+    """
     given: list[Sink] = []
     if sink is not None:
         if isinstance(sink, Sink) and not isinstance(sink, type):
@@ -75,16 +89,22 @@ def _resolve_sinks(
                 raise ValueError("sink= lists the same sink object twice")
         else:
             _check_sink(sink, "sink=")
-    if output_dir is None and sink is None:
-        output_dir = DEFAULT_OUTPUT_DIR
     if output_dir is None:
+        if not given:
+            raise ValueError(
+                "output_dir=None and no sink=: nothing would receive the records; keep them in "
+                "memory with sink=MemorySink(), output_dir=None, or pass an output_dir"
+            )
         return given
     if not isinstance(output_dir, str | PathLike):
         raise TypeError(f"output_dir= must be a path (str or os.PathLike), got {output_dir!r}")
+    default = output_dir is DEFAULT_OUTPUT_DIR
     factory = resolve.directory_sink_factory()
     if factory is None:
-        raise resolve.missing_directory_sink()
+        raise resolve.missing_directory_sink(default=default, with_sinks=bool(given))
     if isinstance(factory, type) and any(isinstance(s, factory) for s in given):
+        if default:
+            return given
         raise ValueError(
             f"output_dir={str(output_dir)!r} and a {factory.__name__} in sink= both name a "
             "directory: pass the directory once, either output_dir= or sink=, not both"
@@ -114,7 +134,7 @@ def _resolve_sampler(sampler: Sampler | None, interval: timedelta | float) -> Sa
 def inject_observer(
     model: nn.Module,
     *,
-    output_dir: str | PathLike[str] | None = None,
+    output_dir: str | PathLike[str] | None = DEFAULT_OUTPUT_DIR,
     sink: Sink | Sequence[Sink] | None = None,
     sampler: Sampler | None = None,
     interval: timedelta | float = DEFAULT_INTERVAL,
@@ -129,10 +149,13 @@ def inject_observer(
     """Attach an observer that records selected modules' outputs and output gradients.
 
     Sampling is decided per root forward (``sampler``; default ``TimedSampler(interval)``).
-    Records go to ``sink`` (one or several) and/or to the directory sink of ti-io for
-    ``output_dir``; with neither, ``output_dir="stats"``. Raises before touching the model on bad
-    input; ``ObserverAlreadyAttachedError`` if one is attached already. When the rank policy
-    says this process does not observe, nothing is attached and ``has_observer`` stays False.
+    Records go to the directory sink of ti-io for ``output_dir`` (default ``"stats"``) and to
+    every sink in ``sink`` (one or several), which adds to the directory; ``output_dir=None``
+    keeps only ``sink`` (``sink=MemorySink(), output_dir=None``: in memory, ti-core alone). A
+    ti-io ``DirectorySink`` in ``sink`` is the run's directory instead of the default. Raises
+    before touching the model on bad input; ``ObserverAlreadyAttachedError`` if one is attached
+    already. When the rank policy says this process does not observe, nothing is attached and
+    ``has_observer`` stays False.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
