@@ -29,7 +29,7 @@ from ti_core.sampling import (
     TimedSampler,
     interval_seconds,
 )
-from ti_core.selection import Selector, select_modules, unwrap_compiled
+from ti_core.selection import Selector, select_modules, unwrap_model
 from ti_core.sink import RunInfo, Sink
 from ti_schema import histogram_schema, history_schema
 
@@ -183,7 +183,7 @@ def inject_observer(
         interval_seconds(interval)
     chosen_sampler = _resolve_sampler(sampler, interval)
     policy = resolve.rank_policy(rank_policy)
-    target = unwrap_compiled(model)
+    target = unwrap_model(model)
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
     plan = ReductionPlan(default_reducers() if reducers is None else reducers)
     sinks = _resolve_sinks(output_dir, sink)
