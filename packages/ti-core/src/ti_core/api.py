@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from torch import nn
 
-from ti_core import resolve
+from ti_core import legacy, resolve
 from ti_core.capture import scrub_copied_hooks
 from ti_core.errors import ErrorPolicy, ObserverAlreadyAttachedError
 from ti_core.observer import ATTRIBUTE, Observer
@@ -185,8 +185,10 @@ def inject_observer(
     policy = resolve.rank_policy(rank_policy)
     target = unwrap_model(model)
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
-    plan = ReductionPlan(default_reducers() if reducers is None else reducers)
-    sinks = _resolve_sinks(output_dir, sink)
+    plan = ReductionPlan(
+        default_reducers() if reducers is None else legacy.adapt_reducers(reducers)
+    )
+    sinks = _resolve_sinks(output_dir, legacy.adapt_sinks(sink, selection.modules))
     ranks = resolve.select_rank(policy)
     if not ranks.observe:
         return
