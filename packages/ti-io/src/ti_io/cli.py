@@ -1,4 +1,8 @@
-"""The ``ti`` command: ``ti summary DIR``, ``ti validate DIR``, ``ti consolidate DIR``."""
+"""The ``ti`` command: ``ti summary DIR``, ``ti validate DIR``, ``ti consolidate DIR``,
+``ti upgrade OLD_DIR NEW_DIR``.
+
+Every command first recognizes a run directory written by torchinstruments 0.8.0 and says so in
+one line (exit 1), pointing at ``ti upgrade``, instead of failing on its columns."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from ti_io.layout import (
     RESULT_FILE,
     list_parts,
 )
+from ti_io.legacy import UpgradeError, check_not_legacy, upgrade, upgraded_from
 from ti_io.readers import scan_history
 from ti_io.result_json import TENSOR_KEYS, aggregate
 from ti_schema import DEFAULT_METRICS
@@ -111,6 +116,13 @@ def _summary(args: argparse.Namespace) -> int:
     status = "live or unconsolidated (from history.parts)" if live else "finalized"
     window = read_run_facts(directory).window
     print(f"{directory}: {status}; recent_window_mean over the last window {window} samples")
+    upgraded = upgraded_from(directory)
+    if upgraded is not None:
+        source, unrecorded = upgraded
+        print(
+            f"upgraded from {source}, which did not record {', '.join(unrecorded) or 'nothing'}: "
+            "those columns hold placeholders"
+        )
     with pl.Config(
         tbl_rows=-1,
         tbl_cols=-1,
@@ -215,6 +227,22 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    try:
+        done = upgrade(args.old_dir, args.new_dir)
+    except UpgradeError as exc:
+        print(f"ti {exc}", file=sys.stderr)
+        return 1
+    for run in done.runs:
+        state = "interrupted run (from its parts)" if run.interrupted else "run"
+        print(
+            f"{run.destination}: upgraded the torchinstruments 0.8.0 {state} {run.source} "
+            f"({run.history_rows} history rows, rank {run.rank}; not recorded by 0.8.0, "
+            f"placeholders: {', '.join(run.unrecorded)})"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ti", description="Read, check and finish TorchInstruments run directories."
@@ -252,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="consolidate even if the process that wrote the run seems alive",
     )
     finish.set_defaults(run=_consolidate)
+    convert = commands.add_parser(
+        "upgrade",
+        help="convert a run written by torchinstruments 0.8.0 into a new directory",
+    )
+    convert.add_argument("old_dir", help="the 0.8.0 run directory (only read)")
+    convert.add_argument("new_dir", help="where the upgraded run goes (new or empty)")
+    convert.set_defaults(run=_upgrade)
     return parser
 
 
@@ -259,10 +294,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ti`` console script."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command != "upgrade":
+            check_not_legacy(args.dir, _ACTIONS[args.command])
         return int(args.run(args))
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError) as exc:  # LegacyRunError too: one line, no traceback
         print(f"ti {args.command}: {exc}", file=sys.stderr)
         return 1
+
+
+_ACTIONS = {
+    "summary": "summarized",
+    "validate": "validated against the current contract",
+    "consolidate": "consolidated",
+}
 
 
 if __name__ == "__main__":
