@@ -48,6 +48,7 @@ PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 TEST_TOOLS = nox.project.dependency_groups(PYPROJECT, "test")
 LINT_TOOLS = nox.project.dependency_groups(PYPROJECT, "lint")
 BENCH_TOOLS = nox.project.dependency_groups(PYPROJECT, "bench")
+LEGACY_TOOLS = nox.project.dependency_groups(PYPROJECT, "legacy")
 LINT_PATHS = ("noxfile.py", "packages", "tests", "examples", "benchmarks")
 
 # Tests must not reach a model hub (no network in CI) nor open plot windows.
@@ -55,7 +56,7 @@ TEST_ENV = {"MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": 
 
 nox.options.default_venv_backend = "virtualenv"  # pip sees the local torch wheel; uv does not
 nox.options.error_on_missing_interpreters = False  # ti-schema on 3.12/3.13 only where present
-nox.options.sessions = ["lint", "tests", "e2e", "minimums", "wheels"]
+nox.options.sessions = ["lint", "tests", "e2e", "minimums", "wheels", "legacy"]
 
 
 def _expose_pyenv_interpreters() -> None:
@@ -375,6 +376,16 @@ def wheels(session: nox.Session) -> None:
     session.chdir(run_dir)
     config = ("-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider")
     _pytest_all(session, *config)
+
+
+@nox.session(python=MAIN_PYTHON, download_python="never")
+def legacy(session: nox.Session) -> None:
+    """tests/migration with the released torchinstruments 0.8.0 installed from its own
+    requirements (Polars < 2): its runs upgraded, its sinks fed, migration.md's 0.8.0 snippets
+    run. Elsewhere those tests skip."""
+    packages = _source_args(("ti-schema", "ti-core", "ti-io"))
+    _install(session, *TEST_TOOLS, *LEGACY_TOOLS, *packages)
+    _pytest(session, "legacy", ROOT / "tests" / "migration")
 
 
 @nox.session(python=MAIN_PYTHON, download_python="never", default=False)
