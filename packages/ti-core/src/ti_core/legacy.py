@@ -222,14 +222,6 @@ def _probe(reducer: Callable[[torch.Tensor], Any], where: str) -> tuple[str, ...
         with torch.no_grad():
             result = reducer(probe)
     except Exception as exc:
-        settings = getattr(reducer, "reducer_settings", None)
-        metrics = settings().get("metrics") if callable(settings) else None
-        if (
-            isinstance(metrics, tuple | list)
-            and metrics
-            and all(isinstance(m, str) for m in metrics)
-        ):
-            return tuple(metrics)
         raise TypeError(
             f"{where}: {reducer!r} looks like a torchinstruments 0.8.0 reducer, but calling it "
             f"on a {_PROBE_SHAPE[0]}x{_PROBE_SHAPE[1]} float32 probe tensor (to learn its metric "
