@@ -291,7 +291,8 @@ def remove_observer(model: nn.Module) -> None:
 
 @contextmanager
 def observe(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
-    """``with observe(model, sink=MemorySink()): train(model)``: inject on enter, remove on exit."""
+    """``with observe(model, sink=MemorySink(), output_dir=None): train(model)``: inject on
+    enter, remove on exit."""
     inject_observer(model, **options)
     try:
         yield model
