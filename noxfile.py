@@ -1,8 +1,8 @@
 """Development sessions of the TorchInstruments monorepo (see docs/development.md).
 
 Plain `nox` runs the default matrix: lint, tests (one environment per package holding only that
-package and its declared dependencies), e2e, minimums and wheels. `demo` and `bench` run on
-request. The helpers live in nox_helpers.py; every pip call goes through `helpers.install`,
+package and its declared dependencies), e2e, minimums, wheels and legacy. `demo` and `bench` run
+on request. The helpers live in nox_helpers.py; every pip call goes through `helpers.install`,
 which applies the one torch pin in constraints/torch.txt. Loading this file changes nothing on
 the machine: interpreters are looked up, not linked, and PATH is left alone.
 """
@@ -54,11 +54,12 @@ PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 TEST_TOOLS = nox.project.dependency_groups(PYPROJECT, "test")
 LINT_TOOLS = nox.project.dependency_groups(PYPROJECT, "lint")
 BENCH_TOOLS = nox.project.dependency_groups(PYPROJECT, "bench")
+LEGACY_TOOLS = nox.project.dependency_groups(PYPROJECT, "legacy")
 LINT_PATHS = ("noxfile.py", "nox_helpers.py", "packages", "tests", "examples", "benchmarks")
 
 nox.options.default_venv_backend = "virtualenv"  # pip sees the local torch wheel; uv does not
 nox.options.error_on_missing_interpreters = False  # ti-schema on 3.12/3.13 only where present
-nox.options.sessions = ["lint", "tests", "e2e", "minimums", "wheels"]
+nox.options.sessions = ["lint", "tests", "e2e", "minimums", "wheels", "legacy"]
 
 
 def _absent(package: str) -> tuple[str, ...]:
@@ -190,6 +191,16 @@ def wheels(session: nox.Session) -> None:
     session.chdir(run_dir)
     config = ("-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider")
     helpers.run_every_test(session, *config)
+
+
+@nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
+def legacy(session: nox.Session) -> None:
+    """tests/migration with the released torchinstruments 0.8.0 installed from its own
+    requirements (Polars < 2): its runs upgraded, its sinks fed, migration.md's 0.8.0 snippets
+    run. Elsewhere those tests skip."""
+    packages = helpers.source_args(("ti-schema", "ti-core", "ti-io"))
+    helpers.install(session, *TEST_TOOLS, *LEGACY_TOOLS, *packages)
+    helpers.run_pytest(session, "legacy", ROOT / "tests" / "migration")
 
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never", default=False)

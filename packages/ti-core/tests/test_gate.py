@@ -36,7 +36,7 @@ def _hook_counts(model: nn.Module) -> tuple[int, int]:
 def test_state_follows_sampled_and_unsampled_root_forwards() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     assert observer_of(model) is None
-    inject_observer(model, sink=MemorySink(), sampler=EveryNForwardsSampler(2))
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=EveryNForwardsSampler(2))
     observer = observer_of(model)
     assert observer is not None
     assert has_observer(model)
@@ -80,7 +80,7 @@ def test_state_changes_at_the_root_boundary_before_the_forward_body() -> None:
             return self.inner(x)
 
     model = Root()
-    inject_observer(model, sink=MemorySink(), sampler=EveryNForwardsSampler(2))
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=EveryNForwardsSampler(2))
     try:
         for _ in range(3):
             model(torch.randn(1, 3))
@@ -95,7 +95,7 @@ def test_state_changes_at_the_root_boundary_before_the_forward_body() -> None:
 
 def test_copies_have_no_observer() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
-    inject_observer(model, sink=MemorySink(), sampler=EveryNForwardsSampler(1))
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=EveryNForwardsSampler(1))
     try:
         clone = copy.deepcopy(model)
         assert observer_of(clone) is None
@@ -151,7 +151,7 @@ def test_the_worker_is_used_only_when_every_sink_declares_background_writes(
     declaring = _DeclaringSink()
     sinks = [declaring] if background else [declaring, _PlainSink()]
     model = nn.Sequential(nn.Linear(2, 2))
-    inject_observer(model, sink=sinks, sampler=EveryNForwardsSampler(1))
+    inject_observer(model, output_dir=None, sink=sinks, sampler=EveryNForwardsSampler(1))
     try:
         model(torch.randn(1, 2)).sum().backward()
         # the barrier goes to a declaring sink only when writes may be deferred

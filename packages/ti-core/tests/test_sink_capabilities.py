@@ -99,7 +99,7 @@ def test_a_malformed_declaration_is_refused_before_any_sink_opens(declared: Any)
     model = make_model()
     first, bad = MemorySink(), DeclaringSink(declared)
     with pytest.raises(TypeError, match=r"capabilities\(\) must return a ti_schema"):
-        inject_observer(model, sink=[first, bad], sampler=AlwaysSampler())
+        inject_observer(model, output_dir=None, sink=[first, bad], sampler=AlwaysSampler())
     assert (first.open_count, bad.opened) == (0, 0)
     assert not has_observer(model)
 
@@ -107,7 +107,7 @@ def test_a_malformed_declaration_is_refused_before_any_sink_opens(declared: Any)
 def test_barrier_goes_to_the_sinks_that_ask_when_the_worker_writes() -> None:
     model = make_model()
     asking, silent = BarrierRecordingSink(), DeclaringSink(SinkCapabilities(background_writes=True))
-    inject_observer(model, sink=[asking, silent], sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=[asking, silent], sampler=AlwaysSampler())
     try:
         train(model, 3)
         assert len(asking.barriers) == 1
@@ -123,7 +123,7 @@ def test_barrier_goes_to_the_sinks_that_ask_when_the_worker_writes() -> None:
 def test_no_worker_and_no_barrier_when_one_sink_does_not_declare_background_writes() -> None:
     model = make_model()
     asking, inline = BarrierRecordingSink(), DeclaringSink(SinkCapabilities())
-    inject_observer(model, sink=[asking, inline], sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=[asking, inline], sampler=AlwaysSampler())
     try:
         train(model, 2)
     finally:

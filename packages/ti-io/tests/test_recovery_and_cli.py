@@ -20,7 +20,7 @@ from ti_io import (
     consolidate,
     scan_history,
 )
-from ti_io.cli import main
+from ti_io.cli import _summary_frame, main
 from ti_schema import DEFAULT_METRICS, polars_write_options, validate_result_json
 from ti_schema.layout import rank_dir_name
 from ti_schema.testing import load_strict_json
@@ -275,3 +275,33 @@ def test_cli_summary_of_a_finalized_run_lists_metrics_in_contract_order(
     cells = [c.strip() for line in body.splitlines() for c in line.split("┆")]
     first_tensor = [c for c in cells if c in DEFAULT_METRICS][: len(DEFAULT_METRICS)]
     assert first_tensor == list(DEFAULT_METRICS)
+
+
+def test_cli_summary_uses_the_window_the_run_was_written_with(
+    tmp_path: Path, synth: Callable[..., Synth], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's window (2) holds live (run.json) and after finalization (the history footer),
+    and 7 observations give a recent window mean, not a null for lack of 20."""
+    s = synth(seed=5)
+    _interrupted(tmp_path, s, samples=7)  # HistoryConfig(window=2)
+    values = (
+        scan_history(tmp_path)
+        .filter(
+            (pl.col("layer") == s.run.layers[0].name)
+            & (pl.col("signal") == "output")
+            & (pl.col("metric") == "std")
+        )
+        .sort("sample_id")
+        .collect()
+        .get_column("value")
+        .to_numpy()
+    )
+    for state in ("live", "finalized"):
+        if state == "finalized":
+            assert main(["consolidate", str(tmp_path)]) == 0
+            assert not (tmp_path / "history.parts").exists()
+        table = _summary_frame(tmp_path, ["std"], ["output"])
+        recent = table.filter(pl.col("layer") == s.run.layers[0].name).item(0, "recent_window_mean")
+        assert recent == pytest.approx(values[-2:].mean(), rel=1e-12), state
+        assert main(["summary", str(tmp_path), "--metric", "std"]) == 0
+        assert "window 2" in capsys.readouterr().out

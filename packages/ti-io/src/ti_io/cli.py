@@ -1,4 +1,8 @@
-"""The ``ti`` command: ``ti summary DIR``, ``ti validate DIR``, ``ti consolidate DIR``."""
+"""The ``ti`` command: ``ti summary DIR``, ``ti validate DIR``, ``ti consolidate DIR``,
+``ti upgrade OLD_DIR NEW_DIR``.
+
+Every command first recognizes a run directory written by torchinstruments 0.8.0 and says so in
+one line (exit 1), pointing at ``ti upgrade``, instead of failing on its columns."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from ti_io.config import HistoryConfig
 from ti_io.consolidate import consolidate
 from ti_io.errors import NothingToConsolidateError
 from ti_io.facts import read_catalog, read_run_facts
+from ti_io.legacy import UpgradeError, check_not_legacy, upgrade, upgraded_from
 from ti_io.readers import scan_history
 from ti_io.result_json import TENSOR_KEYS, aggregate
 from ti_schema import DEFAULT_METRICS, SIGNALS, Signal
@@ -44,12 +49,8 @@ def _summary_frame(
         pl.col("value").sort_by("sample_id").last().alias("latest"),
         pl.col("sample_id").max().alias("latest_sample"),
     )
-    window = facts.window
     table = (
-        aggregate(history, window)
-        .with_columns(  # as in result.json: no window mean from fewer than `window` samples
-            pl.when(pl.col("observations") >= window).then(pl.col("recent_window_mean"))
-        )
+        aggregate(history, facts.window)  # the run's window: run.json live, the footer after
         .join(latest, on=keys, how="left")
         .select(
             *keys,
@@ -106,7 +107,15 @@ def _summary(args: argparse.Namespace) -> int:
     table = _summary_frame(directory, args.metric or [], args.signal or [])
     live = not (directory / HISTORY_FILE).is_file()
     status = "live or unconsolidated (from history.parts)" if live else "finalized"
-    print(f"{directory}: {status}")
+    window = read_run_facts(directory).window
+    print(f"{directory}: {status}; recent_window_mean over the last window {window} samples")
+    upgraded = upgraded_from(directory)
+    if upgraded is not None:
+        source, unrecorded = upgraded
+        print(
+            f"upgraded from {source}, which did not record {', '.join(unrecorded) or 'nothing'}: "
+            "those columns hold placeholders"
+        )
     with pl.Config(
         tbl_rows=-1,
         tbl_cols=-1,
@@ -154,6 +163,22 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    try:
+        done = upgrade(args.old_dir, args.new_dir)
+    except UpgradeError as exc:
+        print(f"ti {exc}", file=sys.stderr)
+        return 1
+    for run in done.runs:
+        state = "interrupted run (from its parts)" if run.interrupted else "run"
+        print(
+            f"{run.destination}: upgraded the torchinstruments 0.8.0 {state} {run.source} "
+            f"({run.history_rows} history rows, rank {run.rank}; not recorded by 0.8.0, "
+            f"placeholders: {', '.join(run.unrecorded)})"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ti", description="Read, check and finish TorchInstruments run directories."
@@ -191,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="consolidate even if the process that wrote the run seems alive",
     )
     finish.set_defaults(run=_consolidate)
+    convert = commands.add_parser(
+        "upgrade",
+        help="convert a run written by torchinstruments 0.8.0 into a new directory",
+    )
+    convert.add_argument("old_dir", help="the 0.8.0 run directory (only read)")
+    convert.add_argument("new_dir", help="where the upgraded run goes (new or empty)")
+    convert.set_defaults(run=_upgrade)
     return parser
 
 
@@ -198,10 +230,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ti`` console script."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command != "upgrade":
+            check_not_legacy(args.dir, _ACTIONS[args.command])
         return int(args.run(args))
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError) as exc:  # LegacyRunError too: one line, no traceback
         print(f"ti {args.command}: {exc}", file=sys.stderr)
         return 1
+
+
+_ACTIONS = {
+    "summary": "summarized",
+    "validate": "validated against the current contract",
+    "consolidate": "consolidated",
+}
 
 
 if __name__ == "__main__":

@@ -196,8 +196,13 @@ def _finalize(directory: Path, facts: RunFacts) -> Consolidated:
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
     producer = _producer(facts)
     digest = HistoryDigest()
+    # The footer records the window of result.json's window means (a contract 1.1 run fact), so
+    # readers of the finalized run (``ti summary``) use the run's window.
     history_rows = _stream_parts(
-        history_parts, directory / HISTORY_FILE, history_schema(producer), digest
+        history_parts,
+        directory / HISTORY_FILE,
+        history_schema(producer, window=facts.window),
+        digest,
     )
     # Arrow's allocator keeps the streamed row groups' memory for reuse; handing it back
     # before the aggregation keeps the peak of a 900,000-row finalization near 130 MB
@@ -242,7 +247,8 @@ def consolidate(
     removes the parts. Idempotent: a finalized directory is left as it is
     (``already_done=True``). ``history_config``: window for result.json (default: the run's
     own). ``force``: consolidate even though the process that wrote the run still seems alive.
-    Raises NothingToConsolidateError for a directory that holds no run.
+    Raises NothingToConsolidateError for a directory that holds no run, and
+    ``ti_io.LegacyRunError`` for one written by torchinstruments 0.8.0 (see ``ti_io.upgrade``).
     """
     directory = Path(output_dir)
     if history_config is not None and not isinstance(history_config, HistoryConfig):
@@ -254,6 +260,9 @@ def consolidate(
         raise NothingToConsolidateError(
             f"consolidate({str(directory)!r}): no such directory; pass the output_dir of a run"
         )
+    from ti_io.legacy import check_not_legacy  # legacy imports this module
+
+    check_not_legacy(directory, "consolidated")
     has_parts = (directory / HISTORY_PARTS).is_dir() or (directory / HISTOGRAM_PARTS).is_dir()
     if not has_parts:
         if (directory / HISTORY_FILE).is_file():

@@ -195,7 +195,7 @@ class DirectorySink:
         except BaseException:
             remove_run_artifacts(directory)  # only what this open created
             raise
-        self._history_schema = history_schema(run.producer)
+        self._history_schema = history_schema(run.producer, window=self.history_config.window)
         self._histogram_schema = histogram_schema(run.producer)
         self._writer = PartWriter(
             directory,

@@ -8,7 +8,13 @@ validators, the artifact-directory checker (:mod:`ti_schema.artifacts`) and a co
 
 from __future__ import annotations
 
-from ti_schema.compat import KNOWN_VERSIONS, check_compatible, parse_metadata, parse_version
+from ti_schema.compat import (
+    KNOWN_VERSIONS,
+    OPTIONAL_KEYS,
+    check_compatible,
+    parse_metadata,
+    parse_version,
+)
 from ti_schema.errors import MISMATCH_KINDS, Mismatch, MismatchKind, SchemaMismatchError
 from ti_schema.interop import footer_metadata, large_types, polars_write_options
 from ti_schema.names import (
@@ -29,7 +35,9 @@ from ti_schema.schemas import (
     HISTORY,
     IDENTITY_COLUMNS,
     METADATA_KEY,
+    PLACEHOLDERS,
     SCHEMA_NAMES,
+    UNRECORDABLE_COLUMNS,
     SchemaName,
     histogram_schema,
     history_schema,
@@ -60,10 +68,13 @@ __all__ = [
     "METRIC_DEFINITIONS",
     "MISMATCH_KINDS",
     "MODES",
+    "OPTIONAL_KEYS",
+    "PLACEHOLDERS",
     "RESULT_JSON_SCHEMA",
     "SCHEMA_NAMES",
     "SCHEMA_VERSION",
     "SIGNALS",
+    "UNRECORDABLE_COLUMNS",
     "Barrier",
     "DeclaresCapabilities",
     "LayerInfo",
