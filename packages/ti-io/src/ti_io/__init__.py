@@ -14,14 +14,8 @@ from ti_io.config import HistoryConfig
 from ti_io.consolidate import Consolidated, consolidate
 from ti_io.directory_sink import DirectorySink
 from ti_io.errors import ArtifactWriteError, NothingToConsolidateError
-from ti_io.legacy import (
-    LegacyRunError,
-    Upgraded,
-    UpgradedRun,
-    UpgradeError,
-    legacy_reason,
-    upgrade,
-)
+from ti_io.legacy import Upgraded, UpgradedRun, UpgradeError, upgrade
+from ti_io.legacy_layout import LegacyRunError, legacy_reason
 from ti_io.readers import scan_history
 from ti_io.tags import histogram_tag
 from ti_io.tensorboard_sink import TensorBoardSink

@@ -18,7 +18,8 @@ from ti_io.config import HistoryConfig
 from ti_io.consolidate import consolidate
 from ti_io.errors import NothingToConsolidateError
 from ti_io.facts import read_catalog, read_run_facts
-from ti_io.legacy import UpgradeError, check_not_legacy, upgrade, upgraded_from
+from ti_io.legacy import UpgradeError, upgrade, upgraded_from
+from ti_io.legacy_layout import check_not_legacy
 from ti_io.readers import scan_history
 from ti_io.result_json import TENSOR_KEYS, aggregate
 from ti_schema import DEFAULT_METRICS, SIGNALS, Signal

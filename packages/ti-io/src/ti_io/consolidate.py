@@ -28,6 +28,7 @@ from ti_io.digest import HistoryDigest
 from ti_io.errors import NothingToConsolidateError
 from ti_io.facts import RunFacts, read_run_facts
 from ti_io.index_md import write_index
+from ti_io.legacy_layout import check_not_legacy
 from ti_io.parts import dictionary_columns
 from ti_io.publishing import publish_with, retire_dir
 from ti_io.result_json import render, write_result_json
@@ -260,8 +261,6 @@ def consolidate(
         raise NothingToConsolidateError(
             f"consolidate({str(directory)!r}): no such directory; pass the output_dir of a run"
         )
-    from ti_io.legacy import check_not_legacy  # legacy imports this module
-
     check_not_legacy(directory, "consolidated")
     has_parts = (directory / HISTORY_PARTS).is_dir() or (directory / HISTOGRAM_PARTS).is_dir()
     if not has_parts:

@@ -1,10 +1,10 @@
-"""Run directories written by torchinstruments 0.8.0: recognizing them, and ``upgrade``.
+"""Run directories written by torchinstruments 0.8.0: ``upgrade``, and reading what it wrote.
 
 A 0.8.0 run holds ``history.parquet`` (or, interrupted, ``history.parts/NNNNNNNN.parquet``)
-with the twelve columns of :data:`LEGACY_COLUMNS` and no ``ti`` footer, a ``result.json`` whose
+with the twelve columns of ``LEGACY_COLUMNS`` and no ``ti`` footer, a ``result.json`` whose
 records are its layer catalog (``layer``, ``type``, ``aliases``), an ``index.md`` stating the
-sampler, rank and window, and ``tensorboard/``. Every ``ti`` command recognizes such a directory
-(:func:`legacy_reason`) and says so instead of failing on missing columns.
+sampler, rank and window, and ``tensorboard/``. Recognizing one is
+:mod:`ti_io.legacy_layout` (every ``ti`` command asks it first).
 
 :func:`upgrade` converts one into the current contract in a new directory: the history
 streamed file by file with its columns mapped and tensor paths respelled (``output`` -> ``''``,
@@ -37,6 +37,12 @@ from ti_io.consolidate import FINAL_COMPRESSION, ROW_GROUP_ROWS
 from ti_io.digest import HistoryDigest
 from ti_io.facts import CatalogLayer, RunFacts
 from ti_io.index_md import render as render_index
+from ti_io.legacy_layout import (
+    LEGACY_COLUMNS,
+    history_files,
+    legacy_run_reason,
+    rank_dirs,
+)
 from ti_io.publishing import fsync_dir, publish_text, temp_path
 from ti_io.result_json import render
 from ti_schema import DEFAULT_METRICS, METADATA_KEY, PLACEHOLDERS, history_schema
@@ -46,41 +52,20 @@ from ti_schema.layout import (
     INDEX_FILE,
     RESULT_FILE,
     TENSORBOARD_DIR,
-    list_rank_dirs,
     rank_of_dir,
 )
 
 LEGACY_PRODUCER: Final[str] = "torchinstruments 0.8.0"
-LEGACY_COLUMNS: Final[tuple[str, ...]] = (
-    "layer",
-    "call_index",
-    "signal",
-    "tensor_path",
-    "sample_id",
-    "forward_index",
-    "timestamp",
-    "shape",
-    "dtype",
-    "metric",
-    "value",
-    "unavailable_reason",
-)
-"""The history columns of torchinstruments 0.8.0, which wrote no ``ti`` footer."""
 LEGACY_WINDOW: Final[int] = 20
 """0.8.0's default ``HistoryConfig.window``, used when its index.md does not state one."""
 NO_REASON: Final[str] = "unavailable (torchinstruments 0.8.0 recorded no reason)"
 NONFINITE_REASON: Final[str] = "non-finite value in the torchinstruments 0.8.0 history"
 
-_LEGACY_PART: Final[re.Pattern[str]] = re.compile(r"\d{8}\.parquet")
 _WINDOW: Final[re.Pattern[str]] = re.compile(r"recent window contains at most (\d+) observations")
 _COLLECTION: Final[re.Pattern[str]] = re.compile(
     r"^Sampling: (.+?)\. Rank: (\d+)/(\d+)\.$", re.MULTILINE
 )
 _FOCUS: Final[re.Pattern[str]] = re.compile(r"^Histogram layers: (\(.*\))\.$", re.MULTILINE)
-
-
-class LegacyRunError(ValueError):
-    """A directory written by torchinstruments 0.8.0 was given where a current run is needed."""
 
 
 class UpgradeError(ValueError):
@@ -108,70 +93,7 @@ class Upgraded:
     runs: tuple[UpgradedRun, ...]
 
 
-# ------------------------------------------------------------------------------- recognizing
-
-
-def _history_files(directory: Path) -> tuple[list[Path], bool]:
-    """0.8.0 history files of ``directory`` and whether they are live parts (interrupted)."""
-    final = directory / HISTORY_FILE
-    if final.is_file():
-        return [final], False
-    parts = directory / HISTORY_PARTS
-    if parts.is_dir():
-        found = sorted(p for p in parts.iterdir() if _LEGACY_PART.fullmatch(p.name))
-        return [p for p in found if p.is_file()], True
-    return [], False
-
-
-def _is_legacy_file(path: Path) -> bool:
-    try:
-        footer = pq.read_metadata(path)
-    except Exception:  # unreadable: not recognizably 0.8.0's
-        return False
-    if METADATA_KEY in (footer.metadata or {}):
-        return False
-    return sorted(footer.schema.to_arrow_schema().names) == sorted(LEGACY_COLUMNS)
-
-
-def _legacy_run_reason(directory: Path) -> str | None:
-    files, interrupted = _history_files(directory)
-    if not files or not _is_legacy_file(files[0]):
-        return None
-    where = f"{HISTORY_PARTS}/ (interrupted)" if interrupted else HISTORY_FILE
-    return f"{where} has torchinstruments 0.8.0's columns and no 'ti' footer"
-
-
-def _rank_dirs(directory: Path) -> list[Path]:
-    return [path for _, path in list_rank_dirs(directory)]
-
-
-def legacy_reason(directory: str | os.PathLike[str]) -> str | None:
-    """Why ``directory`` is a run written by torchinstruments 0.8.0 (one line), or None.
-
-    A directory of 0.8.0 ``rank-NNN`` runs counts too.
-    """
-    path = Path(directory)
-    if not path.is_dir():
-        return None
-    own = _legacy_run_reason(path)
-    if own is not None:
-        return own
-    ranks = [r for r in _rank_dirs(path) if _legacy_run_reason(r) is not None]
-    if ranks:
-        names = ", ".join(r.name for r in ranks[:4]) + (", ..." if len(ranks) > 4 else "")
-        return f"its rank directories ({names}) hold torchinstruments 0.8.0 runs"
-    return None
-
-
-def check_not_legacy(directory: str | os.PathLike[str], action: str) -> None:
-    """Raise :class:`LegacyRunError` (one line, saying what to do) for a 0.8.0 directory."""
-    reason = legacy_reason(directory)
-    if reason is not None:
-        raise LegacyRunError(
-            f"{directory} was written by torchinstruments 0.8.0 ({reason}), so it cannot be "
-            f"{action}; convert it with `ti upgrade {directory} NEW_DIR` "
-            "(ti_io.upgrade) and use NEW_DIR"
-        )
+# ---------------------------------------------------------------------------- upgraded runs
 
 
 def upgraded_from(directory: Path) -> tuple[str, tuple[str, ...]] | None:
@@ -356,7 +278,7 @@ def _convert(
 def _upgrade_run(source: Path, build: Path, final: Path, rank_hint: int | None) -> UpgradedRun:
     """Convert the 0.8.0 run in ``source`` into ``build`` (a temporary directory that becomes
     ``final``, the path index.md names)."""
-    files, interrupted = _history_files(source)
+    files, interrupted = history_files(source)
     old = _read_old_facts(source)
     rank = old.rank if old.rank is not None else rank_hint
     types = {layer.name: layer.module_type for layer in old.catalog if layer.module_type}
@@ -433,10 +355,10 @@ def upgrade(old_dir: str | os.PathLike[str], new_dir: str | os.PathLike[str]) ->
     if not source.is_dir():
         raise UpgradeError(f"upgrade: {source} is not a directory; pass a 0.8.0 run directory")
     runs: list[tuple[Path, Path, int | None]]
-    if _legacy_run_reason(source) is not None:
+    if legacy_run_reason(source) is not None:
         runs = [(source, target, rank_of_dir(source.name))]
     else:
-        ranks = [r for r in _rank_dirs(source) if _legacy_run_reason(r) is not None]
+        ranks = [r for r in rank_dirs(source) if legacy_run_reason(r) is not None]
         if not ranks:
             raise UpgradeError(_not_legacy_message(source))
         runs = [(r, target / r.name, rank_of_dir(r.name)) for r in ranks]
