@@ -8,7 +8,10 @@ same run as it stood live (parts only), and two rank-private runs (one finalized
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +27,8 @@ from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, RESULT_FILE, list_part
 from ti_schema.testing import assert_artifact_dir_conforms
 
 DATA = Path(__file__).parent / "data" / "core-runs"
+WINDOW = 2
+"""The ``HistoryConfig(window=...)`` data/make_runs.py writes its runs with."""
 
 
 @pytest.fixture
@@ -85,6 +90,7 @@ def _reference(table: pa.Table) -> dict[tuple[str, str, str], dict[str, float]]:
             "p50": float(np.percentile(values, 50)),
             "max": float(values.max()),
             "latest": float(values[-1]),
+            "recent_window_mean": float(values[-WINDOW:].mean()),
             "sample": float(pairs[-1][0]),
             "observations": float(len(values)),
         }
@@ -115,7 +121,27 @@ def test_summary_command_prints_every_layer(runs: Path, capsys: pytest.CaptureFi
         assert layer in out
     assert "output_gradient" in out
     assert main(["summary", str(runs / "finalized"), "--metric", "std"]) == 0
-    assert capsys.readouterr().out.startswith(f"{runs / 'finalized'}: finalized")
+    assert capsys.readouterr().out.startswith(
+        f"{runs / 'finalized'}: finalized; recent_window_mean over the last window {WINDOW} "
+    )
+
+
+def test_summary_into_a_closed_pipe_stops_quietly(runs: Path) -> None:
+    """`ti summary DIR | head`: the reader is gone before the table is written; the command
+    stops with the shell's SIGPIPE status and no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "ti_io.cli", "summary", str(runs / "finalized")],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
 
 
 def test_consolidating_the_live_run_gives_the_finalized_run(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -233,10 +234,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command != "upgrade":
             check_not_legacy(args.dir, _ACTIONS[args.command])
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (FileNotFoundError, ValueError) as exc:  # LegacyRunError too: one line, no traceback
         print(f"ti {args.command}: {exc}", file=sys.stderr)
         return 1
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``ti summary DIR | head``): stop quietly, as Unix
+    tools do. Python flushes stdout again at exit, so stdout is pointed at the null device
+    first; the exit status is the shell's for a command stopped by SIGPIPE (128 + 13)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 _ACTIONS = {
