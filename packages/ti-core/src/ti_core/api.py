@@ -18,6 +18,7 @@ from torch import nn
 
 from ti_core import legacy, resolve
 from ti_core.capture.hooks import scrub_copied_hooks
+from ti_core.compiled.support import check_compiled_model
 from ti_core.emission.sinks import read_capabilities
 from ti_core.errors import ErrorPolicy, ErrorPolicyName, ObserverAlreadyAttachedError
 from ti_core.observer import Observer
@@ -198,6 +199,7 @@ def inject_observer(
         interval_seconds(interval)
     chosen_sampler = _resolve_sampler(sampler, interval)
     policy = resolve.rank_policy(rank_policy)
+    check_compiled_model(model)
     target = unwrap_model(model)
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
     plan = ReductionPlan(

@@ -10,11 +10,20 @@ State (:class:`GateState`, one value per gate, changed under its lock)::
                      ^                                        │
                      └── unsampled root forward starts, ──────┘
                          no sample in flight on any thread
-    IDLE / CAPTURING ──close──> CLOSED (final)
+    IDLE / CAPTURING ──compiled (attach to an OptimizedModule; a call hook traced)──> COMPILED
+    IDLE / CAPTURING / COMPILED ──a root hook traced──> COMPILED_AHEAD
+    any but CLOSED ──close──> CLOSED (final)
 
 - ``IDLE``: only the two root hooks exist; an unsampled root forward runs them and nothing else.
 - ``CAPTURING``: per-module capture (forward hooks, or ``forward`` overrides) is installed;
   samples may be in flight on several threads (:attr:`Gate.in_flight`).
+- ``COMPILED``: the model runs under ``torch.compile`` (:mod:`ti_core.compiled`). Per-module
+  capture stays installed until removal, because Dynamo guards on module hooks and changing
+  them would recompile; each root forward's decision goes to the compiled graphs through the
+  gate's trace flags (one cached graph per decision).
+- ``COMPILED_AHEAD``: as ``COMPILED``, but the root's own hooks are traced into the graph, so
+  no Python runs before it: the decision for each root forward is taken when the previous one
+  ends (by the ``end`` / ``advance`` operators, or the eager root hook).
 - ``CLOSED``: every hook removed; nothing is recorded again (late gradients are dropped).
 
 Per-thread state (nesting depth of root calls, the frame of the outermost one, this thread's
@@ -32,13 +41,18 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, Final, Protocol
 
+import torch
 from torch import nn
 
 from ti_core.capture.context import in_backward
+from ti_core.capture.gradients import GradientState
 from ti_core.capture.hooks import CallHook, RootPostHook, RootPreHook, install_forward_override
 from ti_core.capture.sample import Sample
+from ti_core.compiled import operators
+from ti_core.compiled.record import Sites, record_traced_call
 from ti_core.errors import ErrorPolicy
 from ti_core.sampling import Sampler
+from ti_core.selection import compiled_wrappers
 
 
 class GateState(enum.Enum):
@@ -47,6 +61,8 @@ class GateState(enum.Enum):
     NEW = "new"
     IDLE = "idle"
     CAPTURING = "capturing"
+    COMPILED = "compiled"
+    COMPILED_AHEAD = "compiled-ahead"
     CLOSED = "closed"
 
 
@@ -54,6 +70,8 @@ class GateState(enum.Enum):
 # on an Enum class costs several times a global lookup.
 _IDLE: Final = GateState.IDLE
 _CAPTURING: Final = GateState.CAPTURING
+_COMPILED: Final = GateState.COMPILED
+_AHEAD: Final = GateState.COMPILED_AHEAD
 _CLOSED: Final = GateState.CLOSED
 
 
@@ -112,6 +130,11 @@ class Gate:
         # Every hook this gate installed, as the function that removes it exactly.
         self._root_removers: list[Callable[[], None]] = []
         self._capture_removers: list[Callable[[], None]] = []
+        # Compiled graphs (ti_core.compiled): the key traced hooks carry, the flags the graphs
+        # read at trace time, the tensor paths they record, the decision taken ahead.
+        self._trace_key, self._flags = operators.register(self, root_layer)
+        self._sites = Sites()
+        self._ahead: tuple[int, bool] | None = None
 
     # ------------------------------------------------------------------ observable state
 
@@ -139,10 +162,16 @@ class Gate:
         """Nesting depth of root forwards on this thread (0 outside any)."""
         return self._local.depth
 
+    @property
+    def trace_key(self) -> int:
+        """The key under which compiled graphs reach this gate (:mod:`ti_core.compiled`)."""
+        return self._trace_key
+
     # ------------------------------------------------------------------ hooks: install / remove
 
     def attach(self, root: nn.Module) -> None:
-        """Install the two permanent root hooks (``NEW`` -> ``IDLE``)."""
+        """Install the two permanent root hooks (``NEW`` -> ``IDLE``, or ``COMPILED`` for a
+        ``torch.compile``d root)."""
         with self._lock:
             if self._state is not GateState.NEW:
                 raise RuntimeError(f"a gate attaches once; this one is {self._state.value}")
@@ -151,6 +180,8 @@ class Gate:
                 root.register_forward_hook(RootPostHook(self), always_call=True).remove,
             ]
             self._state = _IDLE
+        if compiled_wrappers(root):  # torch.compile's OptimizedModule: compiled from the start
+            self.enter_compiled_mode(ahead=False)
 
     def close(self) -> None:
         """Remove every hook and override (-> ``CLOSED``); a no-op once closed."""
@@ -162,6 +193,7 @@ class Gate:
             removers, self._root_removers = self._root_removers, []
             for remove in removers:
                 remove()
+            operators.unregister(self._trace_key)
 
     def _install_capture_locked(self) -> None:
         try:
@@ -208,34 +240,43 @@ class Gate:
             return
         if self._errors.has_deferred:
             self._errors.report_deferred()
-        index = next(self._counter)
         try:
-            if not self._sampler.should_sample(index):
+            if self._state is _AHEAD:
+                index, sampled = self._take_ahead()
+            else:
+                index = next(self._counter)
+                sampled = bool(self._sampler.should_sample(index))
+            self._flags.sampled = sampled  # what a compiled frame run next specializes on
+            if not sampled:
                 if self._state is _CAPTURING and not self._in_flight:
                     with self._lock:
                         if self._state is _CAPTURING and not self._in_flight:
                             self._remove_capture_locked()
                 return
-            owner = self._owner()
-            if owner is None:  # pragma: no cover - the owner holds this gate
-                return
-            with self._lock:
-                # another thread may have closed the gate since the check above
-                if self._state is _CLOSED:  # type: ignore[comparison-overlap]
-                    return
-                if self._state is _IDLE:
-                    self._install_capture_locked()
-                sample_id = self._samples
-                self._samples += 1
-                self._in_flight += 1
-            try:
-                local.sample = owner.start_sample(sample_id, index)
-            except BaseException:
-                with self._lock:
-                    self._in_flight -= 1
-                raise
+            self._start_sample(local, index)
         except Exception as error:
             self._errors.handle("sampling", error)
+
+    def _start_sample(self, local: _ThreadState, index: int) -> None:
+        """Start this thread's sample of the sampled root forward ``index``."""
+        owner = self._owner()
+        if owner is None:  # pragma: no cover - the owner holds this gate
+            return
+        with self._lock:
+            # another thread may have closed the gate since the caller's check
+            if self._state is _CLOSED:
+                return
+            if self._state is _IDLE:
+                self._install_capture_locked()
+            sample_id = self._samples
+            self._samples += 1
+            self._in_flight += 1
+        try:
+            local.sample = owner.start_sample(sample_id, index)
+        except BaseException:
+            with self._lock:
+                self._in_flight -= 1
+            raise
 
     def _abandon(self, local: _ThreadState) -> None:
         """Drop the state of an interrupted root forward of this thread."""
@@ -253,6 +294,8 @@ class Gate:
             local.depth -= 1
         if not local.depth:
             local.outer = None
+            if self._state is _AHEAD:
+                self._decide_ahead()
         sample = local.sample
         if sample is None:
             return
@@ -282,6 +325,101 @@ class Gate:
             sample.record(layer, module, output)
         except Exception as error:
             self._errors.handle("output capture", error)
+
+    # ------------------------------------------------------------------ compiled graphs
+    # The CompiledTarget of ti_core.compiled.operators: the traced hooks call the first two at
+    # trace time, the operators in compiled graphs the others at run time.
+
+    def enter_compiled_mode(self, *, ahead: bool) -> None:
+        """The model runs compiled (``ahead``: with the root's hooks traced into the graph):
+        keep per-module capture installed from now on (-> ``COMPILED`` / ``COMPILED_AHEAD``)."""
+        with self._lock:
+            state = self._state
+            if state is _CLOSED or state is _AHEAD or (state is _COMPILED and not ahead):
+                return
+            if state is _IDLE:
+                self._install_capture_locked()
+            self._state = _AHEAD if ahead else _COMPILED
+        if ahead:
+            self._decide_ahead()  # the forward being traced now runs on this decision
+
+    def intern_paths(self, paths: tuple[str, ...]) -> int:
+        return self._sites.intern(paths)
+
+    def _decide_ahead(self) -> None:
+        """Decide the next root forward now, and tell the compiled graphs."""
+        try:
+            index = next(self._counter)
+            sampled = bool(self._sampler.should_sample(index))
+        except Exception as error:
+            sampled = False
+            self._errors.handle("sampling", error)
+        self._ahead = (index, sampled)
+        self._flags.sampled = sampled
+
+    def _take_ahead(self) -> tuple[int, bool]:
+        """This root forward's decision, taken ahead (or now, when another thread took it)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            return ahead
+        index = next(self._counter)
+        return index, bool(self._sampler.should_sample(index))
+
+    def compiled_begin(self) -> None:
+        if self._state is _CLOSED or in_backward() or self._local.sample is not None:
+            return
+        if self._errors.has_deferred:
+            self._errors.report_deferred()
+        try:
+            index, sampled = self._take_ahead()
+            if sampled:
+                self._start_sample(self._local, index)
+        except Exception as error:
+            self._errors.handle("sampling", error)
+
+    def compiled_end(self) -> None:
+        if in_backward():
+            return
+        local = self._local
+        sample, local.sample = local.sample, None
+        if sample is not None:
+            with self._lock:
+                self._in_flight -= 1
+            owner = self._owner()
+            if self._state is not _CLOSED and owner is not None:
+                try:
+                    owner.end_forward(sample)
+                except Exception as error:
+                    self._errors.handle("forward emission", error)
+        if self._state is not _CLOSED:
+            self._decide_ahead()
+
+    def compiled_advance(self) -> None:
+        if self._state is _CLOSED or in_backward():
+            return
+        if self._ahead is None:
+            next(self._counter)  # another thread took this forward's decision: count it
+        self._ahead = None
+        self._decide_ahead()
+
+    def compiled_record(
+        self,
+        tensors: list[torch.Tensor],
+        layer: int,
+        site: int,
+        train: bool,
+        grad_enabled: bool,
+        kinds: list[int],
+    ) -> tuple[GradientState | None, list[int]]:
+        sample = self._local.sample
+        if sample is None or in_backward():
+            return None, []
+        try:
+            paths = self._sites.paths(site)
+            return record_traced_call(sample, layer, paths, tensors, train, grad_enabled, kinds)
+        except Exception as error:
+            self._errors.handle("output capture", error)
+            return None, []
 
 
 __all__ = ["Gate", "GateState", "SampleOwner"]

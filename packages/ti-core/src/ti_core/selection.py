@@ -68,6 +68,24 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         return model
 
 
+def compiled_wrappers(model: nn.Module) -> list[nn.Module]:
+    """The ``torch.compile`` ``OptimizedModule``s among ``model`` and the wrappers between it
+    and the bare model (the same peeling as :func:`unwrap_model`), outermost first."""
+    wrappers = _data_parallel_types()
+    found: list[nn.Module] = []
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+            found.append(model)
+            model = inner
+            continue
+        wrapped = getattr(model, "module", None)
+        if isinstance(model, wrappers) and isinstance(wrapped, nn.Module):
+            model = wrapped
+            continue
+        return found
+
+
 def select_modules(
     model: nn.Module,
     selector: Selector | None,

@@ -8,6 +8,10 @@ live on the autograd graph and die with it.
 Every hook object pickles and deep-copies to an inert no-op, so ``copy.deepcopy(model)`` and
 ``torch.save(model)`` give unobserved copies that still run; the first call of a copied hook
 removes the inherited hooks of its kind (:func:`scrub_copied_hooks`).
+
+Under ``torch.compile`` each hook takes its traced path (:mod:`ti_core.compiled.traced`), which
+Dynamo inlines into the graph without a break; met by Dynamo as frames of their own, the root and
+call hooks run eagerly (``run_hooks_eagerly_as_frames`` below).
 """
 
 from __future__ import annotations
@@ -18,12 +22,19 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, Final, Protocol
 
-import torch
 from torch import nn
+
+from ti_core.compiled import traced
+from ti_core.compiled.traced import is_compiling
 
 
 class CaptureTarget(Protocol):
     """What the forward hooks report to (the gate of one observer)."""
+
+    @property
+    def trace_key(self) -> int:
+        """The key under which traced hooks reach this target (:mod:`ti_core.compiled`)."""
+        ...
 
     def root_enter(self, caller: FrameType | None = None) -> None:
         """A root forward starts (``caller``: the frame running the root's hooks)."""
@@ -97,36 +108,18 @@ class HookObject:
         return (_inert_factory, ())
 
 
-def _root_enter(target: CaptureTarget) -> None:
-    target.root_enter()
-
-
-def _root_exit(target: CaptureTarget, module: nn.Module, output: Any) -> None:
-    target.root_exit(module, output)
-
-
-def _capture(target: CaptureTarget, layer: int, module: nn.Module, output: Any) -> None:
-    target.capture(layer, module, output)
-
-
-# Under torch.compile the hooks run eagerly (a graph break) instead of being traced; in eager
-# mode the undecorated functions are called, so unsampled forwards pay no wrapper cost.
-_root_enter_eager = torch.compiler.disable(_root_enter)  # type: ignore[no-untyped-call]
-_root_exit_eager = torch.compiler.disable(_root_exit)  # type: ignore[no-untyped-call]
-_capture_eager = torch.compiler.disable(_capture)  # type: ignore[no-untyped-call]
-
-
 class RootPreHook(HookObject):
     """Forward pre-hook of the root (registered first, so it runs before the user's)."""
 
-    __slots__ = ("target",)
+    __slots__ = ("key", "target")
 
     def __init__(self, target: CaptureTarget) -> None:
         self.target = target
+        self.key = target.trace_key
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            _root_enter_eager(self.target)
+        if is_compiling():
+            traced.root_enter(self.key)
         else:
             self.target.root_enter(sys._getframe(1))
 
@@ -134,30 +127,32 @@ class RootPreHook(HookObject):
 class RootPostHook(HookObject):
     """Always-called forward hook of the root."""
 
-    __slots__ = ("target",)
+    __slots__ = ("key", "target")
 
     def __init__(self, target: CaptureTarget) -> None:
         self.target = target
+        self.key = target.trace_key
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            _root_exit_eager(self.target, module, output)
+        if is_compiling():
+            traced.root_exit(self.key, module, output)
         else:
             self.target.root_exit(module, output)
 
 
 class CallHook(HookObject):
-    """Forward hook on a selected module, installed only while sampling."""
+    """Forward hook on a selected module, installed while sampling (for good once compiled)."""
 
-    __slots__ = ("layer", "target")
+    __slots__ = ("key", "layer", "target")
 
     def __init__(self, target: CaptureTarget, layer: int) -> None:
         self.target = target
+        self.key = target.trace_key
         self.layer = layer
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            _capture_eager(self.target, self.layer, module, output)
+        if is_compiling():
+            traced.call(self.key, self.layer, module, output)
         else:
             self.target.capture(self.layer, module, output)
 
@@ -169,7 +164,7 @@ class ForwardOverride(HookObject):
     call is counted twice. ``previous`` is the instance ``forward`` the user had set, if any.
     """
 
-    __slots__ = ("__weakref__", "layer", "module_ref", "previous", "target")
+    __slots__ = ("__weakref__", "key", "layer", "module_ref", "previous", "target")
 
     def __init__(
         self,
@@ -179,6 +174,7 @@ class ForwardOverride(HookObject):
         previous: Callable[..., Any] | None,
     ) -> None:
         self.target = target
+        self.key = target.trace_key
         self.layer = layer
         self.module_ref = weakref.ref(module)
         self.previous = previous
@@ -203,8 +199,8 @@ class ForwardOverride(HookObject):
         else:  # pragma: no cover - the module owns this object through its __dict__
             raise ReferenceError("module of this forward override is gone")
         if module is not None:
-            if torch.compiler.is_compiling():
-                _capture_eager(self.target, self.layer, module, output)
+            if is_compiling():
+                traced.call(self.key, self.layer, module, output)
             else:
                 self.target.capture(self.layer, module, output)
         return output
@@ -230,6 +226,12 @@ def install_forward_override(
             del target.__dict__["forward"]
 
     return restore
+
+
+# Met as frames of their own (called by the eager Module._call_impl under torch.compile), these
+# run eagerly, as without compile. A forward override is not listed: its frame runs the module's
+# forward, which Dynamo must compile.
+traced.run_hooks_eagerly_as_frames(RootPreHook.__call__, RootPostHook.__call__, CallHook.__call__)
 
 
 __all__ = [

@@ -1,0 +1,277 @@
+"""The runtime protocol between a compiled graph and its observer: five custom operators.
+
+Compiled code runs Python only inside an operator the compiler treats as opaque; these
+operators are that door. Each is a ``torch.library.custom_op`` in the ``ti`` namespace, declared
+*effectful* (``EffectType.ORDERED``): without the declaration AOT autograd removes an operator
+whose result is unused as dead code; with it, the operator stays in the graph, in program order,
+threaded by an effect token (``test_compiled_torch_apis.py`` guards it). Each is tagged
+``cudagraph_unsafe`` (a CUDA-graph replay runs no Python), though inductor 2.13 does not see the
+tag through the effect wrapper, which is why CUDA graphs are refused (:mod:`.traced`).
+
+The operators carry an integer observer key and trace-time constants only. Traced code reaches
+an observer's state through :data:`FLAGS` by that key (one source per object: Dynamo adds an
+aliasing guard, evaluated in Python on every call, when one object is reached two ways), and
+the operators find the gate through a weak registry, so a graph that outlives its observer runs
+them as no-ops.
+
+Ownership of gradient state: ``record_call`` returns a *ticket*, a CPU int64 tensor whose Python
+object carries the sample's gradient state (:data:`TICKET_STATE`). The gradient hooks that the
+traced path registers on the call's output tensors hand it to ``record_grad``, so the compiled
+graph saves it for backward: the state lives exactly as long as the autograd graph, as eager
+tensor hooks do (PyTorch keeps a tensor's Python object, and its attributes, while the tensor
+lives).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Final, Protocol
+
+import torch
+
+from ti_core.compiled.torch_private import EffectType
+
+NAMESPACE: Final[str] = "ti"
+TICKET_STATE: Final[str] = "_ti_gradient_state"
+"""Attribute of a ticket tensor: ``(gradient state, indices)`` of the call it was made for."""
+
+# What record_call is told per captured tensor (decided at trace time).
+PLAIN: Final[int] = 0
+"""No gradient will flow back (grad disabled, no ``requires_grad``, integer dtype)."""
+WATCH: Final[int] = 1
+"""A gradient will flow back: the traced path hooks it (``record_grad``)."""
+LEAF: Final[int] = 2
+"""A leaf tensor that requires grad (an input or parameter returned unchanged): a coverage gap,
+as in eager capture."""
+
+
+class GradientReceiver(Protocol):
+    """What a ticket carries: the gradient side of one sample (``capture.GradientState``)."""
+
+    def receive(self, indices: list[int], grad: torch.Tensor) -> None: ...
+
+
+class CompiledTarget(Protocol):
+    """What the operators and the trace-time calls report to (the gate of one observer)."""
+
+    def enter_compiled_mode(self, *, ahead: bool) -> None:
+        """Trace time: a hook of this observer is being traced (``ahead``: a root hook)."""
+        ...
+
+    def intern_paths(self, paths: tuple[str, ...]) -> int:
+        """Trace time: the number under which an output's tensor paths travel."""
+        ...
+
+    def compiled_begin(self) -> None:
+        """Run time: a sampled root forward whose root hooks were traced starts."""
+        ...
+
+    def compiled_end(self) -> None:
+        """Run time: a sampled root forward whose root hooks were traced ends."""
+        ...
+
+    def compiled_advance(self) -> None:
+        """Run time: an unsampled root forward whose root hooks were traced ends."""
+        ...
+
+    def compiled_record(
+        self,
+        tensors: list[torch.Tensor],
+        layer: int,
+        site: int,
+        train: bool,
+        grad_enabled: bool,
+        kinds: list[int],
+    ) -> tuple[GradientReceiver | None, list[int]]:
+        """Run time: one call of a selected module in a sampled compiled forward."""
+        ...
+
+
+class TraceFlags:
+    """What traced code reads of one gate at trace time.
+
+    Dynamo guards on every attribute read, so each value of :attr:`sampled` selects its own
+    cached graph (no recompilation once both exist). Written by the gate only.
+    """
+
+    __slots__ = ("root_layer", "sampled", "tickets")
+
+    def __init__(self, root_layer: int | None) -> None:
+        self.sampled = False
+        """The root forward about to run (decided ahead: the next one) is sampled."""
+        self.root_layer = root_layer
+        """Index of the root among the selected modules, or None."""
+        self.tickets: list[torch.Tensor] | None = None
+        """Trace time only: while a sampled root forward whose root hooks are traced is being
+        traced, the tickets of its captures (``end`` takes them as inputs so it runs after
+        every capture); None otherwise."""
+
+
+FLAGS: dict[int, TraceFlags] = {}
+"""Each registered gate's flags, by key: the one way traced code reaches them."""
+
+_targets: dict[int, weakref.ref[CompiledTarget]] = {}
+_keys = itertools.count(1)
+_registry_lock = threading.Lock()
+
+
+def register(target: CompiledTarget, root_layer: int | None) -> tuple[int, TraceFlags]:
+    """A key and flags for ``target`` (held weakly): what its hooks and graphs will carry."""
+    with _registry_lock:
+        key = next(_keys)
+        flags = TraceFlags(root_layer)
+        FLAGS[key] = flags
+        _targets[key] = weakref.ref(target)
+    return key, flags
+
+
+def unregister(key: int) -> None:
+    """Forget ``key``'s target: graphs that still carry it run their operators as no-ops.
+
+    The flags stay registered (reset to unsampled): a graph Dynamo keeps for this key guards on
+    them, and a guard reading a missing key could fail on a path it does not expect.
+    """
+    with _registry_lock:
+        _targets.pop(key, None)
+        flags = FLAGS.get(key)
+        if flags is not None:
+            flags.sampled = False
+            flags.tickets = None
+
+
+def target_of(key: int) -> CompiledTarget | None:
+    ref = _targets.get(key)
+    return None if ref is None else ref()
+
+
+_TAGS: Final = (torch.Tag.cudagraph_unsafe,)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::begin", mutates_args=(), tags=_TAGS)
+def begin(key: int) -> None:
+    """Start of a sampled root forward whose root hooks were traced into the graph."""
+    target = target_of(key)
+    if target is not None:
+        target.compiled_begin()
+
+
+@begin.register_fake
+def _begin_fake(key: int) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::record_call", mutates_args=(), tags=_TAGS)
+def record_call(
+    tensors: list[torch.Tensor],
+    key: int,
+    layer: int,
+    site: int,
+    train: bool,
+    grad_enabled: bool,
+    kinds: list[int],
+) -> torch.Tensor:
+    """One call of a selected module in a sampled compiled forward: record ``tensors``.
+
+    ``site`` numbers the output's tensor paths (interned at trace time: an operator schema has
+    no list-of-strings type); ``kinds`` says per tensor :data:`PLAIN`, :data:`WATCH` or
+    :data:`LEAF`. Returns the ticket (one int64 per tensor).
+    """
+    ticket = torch.zeros(len(tensors), dtype=torch.int64)
+    target = target_of(key)
+    if target is not None:
+        state, indices = target.compiled_record(tensors, layer, site, train, grad_enabled, kinds)
+        if state is not None:
+            setattr(ticket, TICKET_STATE, (state, indices))
+    return ticket
+
+
+@record_call.register_fake
+def _record_call_fake(
+    tensors: list[torch.Tensor],
+    key: int,
+    layer: int,
+    site: int,
+    train: bool,
+    grad_enabled: bool,
+    kinds: list[int],
+) -> torch.Tensor:
+    return torch.empty((len(tensors),), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::record_grad", mutates_args=(), tags=_TAGS)
+def record_grad(grad: torch.Tensor, ticket: torch.Tensor, position: int) -> None:
+    """Gradient hook of a recorded output tensor: its gradient, as autograd accumulated it."""
+    carried = getattr(ticket, TICKET_STATE, None)
+    if carried is None:
+        return
+    state, indices = carried
+    index = indices[position]
+    if index >= 0:
+        # A fresh alias: compiled kernels write buffers without bumping ``_version``, so the
+        # batch must not take this object for one it has measured already.
+        state.receive([index], grad.detach())
+
+
+@record_grad.register_fake
+def _record_grad_fake(grad: torch.Tensor, ticket: torch.Tensor, position: int) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::end", mutates_args=(), tags=_TAGS)
+def end(key: int, after: list[torch.Tensor]) -> None:
+    """End of a sampled root forward with traced root hooks: emit it, decide the next one.
+
+    ``after`` holds the tickets of every ``record_call`` of the forward: a data dependency,
+    because inductor does not keep an argument-less effectful operator in program order (it
+    ran ``end`` before captures it should follow, in a transformer block's graph).
+    """
+    target = target_of(key)
+    if target is not None:
+        target.compiled_end()
+
+
+@end.register_fake
+def _end_fake(key: int, after: list[torch.Tensor]) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::advance", mutates_args=(), tags=_TAGS)
+def advance(key: int) -> None:
+    """End of an unsampled root forward with traced root hooks: count it, decide the next."""
+    target = target_of(key)
+    if target is not None:
+        target.compiled_advance()
+
+
+@advance.register_fake
+def _advance_fake(key: int) -> None:
+    return None
+
+
+OPERATORS: Final = (begin, record_call, record_grad, end, advance)
+for _op in OPERATORS:
+    _op.register_effect(EffectType.ORDERED)
+
+
+__all__ = [
+    "FLAGS",
+    "LEAF",
+    "NAMESPACE",
+    "OPERATORS",
+    "PLAIN",
+    "TICKET_STATE",
+    "WATCH",
+    "CompiledTarget",
+    "GradientReceiver",
+    "TraceFlags",
+    "advance",
+    "begin",
+    "end",
+    "record_call",
+    "record_grad",
+    "register",
+    "target_of",
+    "unregister",
+]

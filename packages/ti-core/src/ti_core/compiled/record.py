@@ -1,0 +1,108 @@
+"""What ``record_call`` does at run time: one call of a selected module, recorded as eager does.
+
+The same :class:`~ti_core.records.Entry` objects, snapshots into the sample's
+:class:`~ti_core.capture.batch.TensorBatch`, gradient bookkeeping in its
+:class:`~ti_core.capture.gradients.GradientState` and coverage gaps as
+:meth:`ti_core.capture.sample.Sample.record`, so reduction and emission are unchanged. Two
+differences, both forced by compiled code:
+
+- every tensor is handed to the batch as a fresh ``detach()`` alias: inductor reuses buffers
+  and its kernels write through raw pointers without bumping ``_version``, so the batch's
+  "same object, same version: measure once" shortcut would repeat a stale row;
+- a watched tensor's hook was registered at trace time (:mod:`ti_core.compiled.traced`); its
+  gradient arrives through ``record_grad``, by the tensor's index in the gradient state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Final
+
+import torch
+
+from ti_core.capture.context import in_reentrant_checkpoint, now_us
+from ti_core.capture.gradients import GradientState
+from ti_core.capture.sample import LEAF_REASON, REENTRANT_REASON, Sample
+from ti_core.compiled.operators import LEAF, WATCH
+from ti_core.compiled.traced import NESTED
+from ti_core.records import Entry
+from ti_core.reduction.support import dtype_name
+
+NESTED_REASON: Final[str] = (
+    "gradient not captured: activation checkpoint inside a compiled graph (the output is "
+    "recorded; torch.compile cannot save what binds its gradient to the sample there)"
+)
+
+
+class Sites:
+    """The tensor paths of each traced output, numbered at trace time (shared by threads)."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[tuple[str, ...], int] = {}
+        self._paths: list[tuple[str, ...]] = []
+        self._lock = threading.Lock()
+
+    def intern(self, paths: tuple[str, ...]) -> int:
+        """The number of ``paths`` (stable: the same paths always get the same number)."""
+        with self._lock:
+            number = self._numbers.get(paths)
+            if number is None:
+                number = self._numbers[paths] = len(self._paths)
+                self._paths.append(paths)
+            return number
+
+    def paths(self, number: int) -> tuple[str, ...]:
+        return self._paths[number]
+
+
+def record_traced_call(
+    sample: Sample,
+    layer: int,
+    paths: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    train: bool,
+    grad_enabled: bool,
+    kinds: Sequence[int],
+) -> tuple[GradientState | None, list[int]]:
+    """Record one call in ``sample``; return its gradient state and, per tensor, the index of
+    its entry there (-1: no gradient will be recorded for it)."""
+    call = sample.calls.get(layer, 0)
+    sample.calls[layer] = call + 1
+    indices = [-1] * len(tensors)
+    if not tensors:
+        return sample.gradients, indices
+    stamp = now_us()
+    reentrant: bool | None = None
+    for j, (path, tensor, kind) in enumerate(zip(paths, tensors, kinds, strict=True)):
+        entry = Entry(
+            layer,
+            call,
+            path,
+            train,
+            grad_enabled,
+            tuple(tensor.shape),
+            dtype_name(tensor.dtype),
+            stamp,
+        )
+        sample.forward.add(entry, tensor.detach())
+        if kind == WATCH:
+            state = sample.gradients
+            if state is None:
+                state = GradientState(sample.target, sample.sample_id, sample.forward_index)
+                sample.gradients = state
+            indices[j] = len(state.entries)
+            state.entries.append(entry)
+        elif kind == LEAF:
+            sample.gaps.append((entry, LEAF_REASON))
+        elif kind == NESTED:
+            sample.gaps.append((entry, NESTED_REASON))
+        elif not grad_enabled and (tensor.is_floating_point() or tensor.is_complex()):
+            if reentrant is None:
+                reentrant = in_reentrant_checkpoint()
+            if reentrant:
+                sample.gaps.append((entry, REENTRANT_REASON))
+    return sample.gradients, indices
+
+
+__all__ = ["NESTED_REASON", "Sites", "record_traced_call"]

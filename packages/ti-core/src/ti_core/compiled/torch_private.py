@@ -1,0 +1,88 @@
+"""Every private PyTorch API the compiled path relies on, in one place.
+
+torch is pinned (constraints/torch.txt); each name here is guarded by a test in
+``packages/ti-core/tests/test_compiled_torch_apis.py`` that fails, naming the API, when a torch
+upgrade moves or changes it. Imports of Dynamo internals happen when first needed (trace time),
+so importing ti-core does not load them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch._library.effects import EffectType
+
+assume_constant_result: Callable[[Callable[..., Any]], Callable[..., Any]] = (
+    torch._dynamo.assume_constant_result
+)
+"""Dynamo calls the decorated function at trace time, with the real (constant) arguments, and
+folds its result into the graph: the one way traced code runs Python once per trace."""
+
+
+def skip_frames(function: Callable[..., Any]) -> bool:
+    """Tell Dynamo to run ``function``'s frame, and every frame it calls, eagerly when it meets
+    it as a frame of its own (``set_code_exec_strategy`` with ``FrameAction.SKIP``); inlined
+    calls are still traced. False when this torch has no such setting."""
+    try:
+        from torch._dynamo.eval_frame import (  # type: ignore[attr-defined]
+            set_code_exec_strategy,
+        )
+        from torch._dynamo.types import (  # type: ignore[attr-defined]
+            FrameAction,
+            FrameExecStrategy,
+        )
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return False
+    set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return True
+
+
+def _current_output() -> Any:
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    return InstructionTranslator.current_tx().output
+
+
+def compiler_config() -> Mapping[str, Any] | None:
+    """Trace time: inductor's configuration for the ``torch.compile`` call being traced (its
+    ``mode`` and ``options`` applied, e.g. ``"triton.cudagraphs": True`` for
+    ``mode="reduce-overhead"``); None for a backend other than inductor."""
+    return _backend_config(_current_output().compiler_fn)
+
+
+def optimized_config(compiled: Any) -> Mapping[str, Any] | None:
+    """The same for a ``torch.compile``d module (``OptimizedModule``), found through the
+    wrappers Dynamo puts around the backend (``dynamo_ctx.callback``, then each one's
+    ``_torchdynamo_orig_backend``)."""
+    context = getattr(compiled, "dynamo_ctx", None)
+    return _backend_config(getattr(context, "callback", None))
+
+
+def _backend_config(backend: Any) -> Mapping[str, Any] | None:
+    for _ in range(8):
+        if backend is None:
+            return None
+        get = getattr(backend, "get_compiler_config", None)
+        if callable(get):
+            config = get()
+            return config if isinstance(config, Mapping) else None
+        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+    return None
+
+
+def in_nested_region() -> bool:
+    """Trace time: whether the code being traced is the body of a higher-order region inside
+    the graph (``torch.utils.checkpoint``, ``torch.cond``, ...), traced by a nested tracer."""
+    return _current_output().current_tracer.parent is not None
+
+
+__all__ = [
+    "EffectType",
+    "assume_constant_result",
+    "compiler_config",
+    "in_nested_region",
+    "optimized_config",
+    "skip_frames",
+]

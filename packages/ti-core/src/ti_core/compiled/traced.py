@@ -1,0 +1,229 @@
+"""What the hooks do while Dynamo traces them: plain Python that Dynamo inlines, no graph break.
+
+A hook of :mod:`ti_core.capture.hooks` takes this path when ``is_compiling()`` (a constant to
+Dynamo) is true. It reads the gate's :class:`~ti_core.compiled.operators.TraceFlags` at trace
+time; Dynamo guards on the value, so the sampled and the unsampled forward are two cached graphs,
+chosen by a guard and never recompiled once both exist. The unsampled variant contains nothing of
+the observer: no operator, copy or kernel. The sampled variant gets one ``record_call`` per call
+of a selected module and a gradient hook on each output tensor a gradient will reach.
+
+Where the root hooks run: on an observed ``OptimizedModule`` they run eagerly around the compiled
+frame. On a module compiled after it was observed (``torch.compile(model)`` of a module whose
+``forward`` is user code, ``model.compile()``), ``Module._call_impl`` (which Dynamo skips) calls
+each hook as a frame of its own; :func:`run_hooks_eagerly_as_frames` tells Dynamo to run those
+frames, and everything they call, eagerly, so the decision is taken in Python before the
+forward's frame starts, as in eager mode. Where Dynamo inlines the root's hooks into the graph
+(``torch.compile`` of a root whose ``forward`` is PyTorch's own, such as ``nn.Sequential``), no
+Python runs before the graph: the decision for forward k+1 is taken when forward k ends (the
+``end`` / ``advance`` operators), the gate's ``COMPILED_AHEAD`` state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import torch
+from torch import Tensor, is_grad_enabled, nn
+
+from ti_core.compiled import torch_private
+from ti_core.compiled.operators import (
+    FLAGS,
+    LEAF,
+    PLAIN,
+    WATCH,
+    TraceFlags,
+    advance,
+    begin,
+    end,
+    record_call,
+    record_grad,
+    target_of,
+)
+
+NESTED: Final[int] = 3
+"""A tensor that requires grad, output inside activation checkpointing (a higher-order region)
+of a compiled graph: a coverage gap."""
+
+_MAX_DEPTH: Final = 32
+"""As :func:`ti_core.capture.paths.tensor_leaves`: nesting deeper than this is not walked."""
+
+# Traced code names what it uses directly (``Tensor``, ``is_grad_enabled``), never through the
+# global ``torch``: the same object reached from two modules' globals makes Dynamo add an
+# aliasing guard that runs in Python on every call.
+is_compiling: Final[Callable[[], bool]] = torch.compiler.is_compiling
+
+
+CUDA_GRAPHS_REFUSED: Final[str] = (
+    "ti-core's capture in compiled graphs does not support CUDA graphs (torch.compile "
+    "mode='reduce-overhead' or 'max-autotune', or torch._inductor.config.triton.cudagraphs): a "
+    "CUDA-graph replay runs no Python, and inductor cannot yet tell ti-core's operators apart "
+    "from kernels it may record, so rows would silently stop after the first replay. Compile "
+    "with mode='default' or 'max-autotune-no-cudagraphs' (on CPU, mode='reduce-overhead' has "
+    "no effect anyway), or remove the observer (docs/capture.md, 'torch.compile')"
+)
+
+
+def cuda_graphs_requested(config: Mapping[str, Any] | None) -> bool:
+    """Whether inductor with this configuration records CUDA graphs (None: not inductor)."""
+    return config is not None and bool(config.get("triton.cudagraphs"))
+
+
+@torch_private.assume_constant_result
+def _enter_compiled(key: int, ahead: bool) -> bool:
+    """Trace time only (Dynamo calls it and folds the result into the graph): refuse CUDA
+    graphs; the first trace of a hook switches its gate to compiled capture."""
+    if cuda_graphs_requested(torch_private.compiler_config()):
+        raise ValueError(CUDA_GRAPHS_REFUSED)
+    target = target_of(key)
+    if target is not None:
+        target.enter_compiled_mode(ahead=ahead)
+    return True
+
+
+@torch_private.assume_constant_result
+def _site(key: int, paths: tuple[str, ...]) -> int:
+    """Trace time only: the number under which ``paths`` travel to ``record_call``."""
+    target = target_of(key)
+    return -1 if target is None else target.intern_paths(paths)
+
+
+@torch_private.assume_constant_result
+def _nested() -> bool:
+    """Trace time only: inside a higher-order region (activation checkpointing) of the graph,
+    where a ticket cannot be saved for backward (AOT autograd cannot save an effectful
+    operator's result there), so gradients are not captured."""
+    return torch_private.in_nested_region()
+
+
+# ----------------------------------------------------------------------------- the output walk
+
+
+def traced_leaves(output: object) -> list[tuple[str, Tensor]]:
+    """``tensor_leaves`` for traced code (no identity set: Dynamo cannot trace one): the same
+    paths in the same order, tested over a corpus of outputs."""
+    found: list[tuple[str, Tensor]] = []
+    _walk(output, "", found, 0)
+    return found
+
+
+def _walk(obj: object, path: str, out: list[tuple[str, Tensor]], depth: int) -> None:
+    if isinstance(obj, Tensor):
+        out.append((path, obj))
+        return
+    if depth >= _MAX_DEPTH or obj is None or isinstance(obj, str | bytes | int | float | bool):
+        return
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _walk(v, f"{path}[{k!r}]", out, depth + 1)
+    elif isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        fields: tuple[str, ...] = type(obj)._fields  # type: ignore[attr-defined]
+        for name, v in zip(fields, obj, strict=False):
+            _walk(v, f"{path}.{name}", out, depth + 1)
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _walk(v, f"{path}[{i}]", out, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _walk(getattr(obj, f.name, None), f"{path}.{f.name}", out, depth + 1)
+
+
+# ----------------------------------------------------------------------------- traced capture
+
+
+def _kind(tensor: Tensor, grad_enabled: bool) -> int:
+    if not (grad_enabled and tensor.requires_grad):
+        return PLAIN
+    return LEAF if tensor.is_leaf else WATCH
+
+
+def _reporter(ticket: Tensor, position: int) -> Callable[[Tensor], None]:
+    """The gradient hook of the tensor at ``position`` of a call: hands the gradient, as the
+    autograd engine accumulated it for that tensor (every use, as eager tensor hooks see it),
+    to ``record_grad``; never changes it."""
+
+    def report(grad: Tensor) -> None:
+        record_grad(grad, ticket, position)
+
+    return report
+
+
+def _capture(key: int, flags: TraceFlags, layer: int, module: nn.Module, output: Any) -> None:
+    """One call of a selected module in a sampled forward being traced: one ``record_call``
+    (also for an output without tensors, which still counts as a call) and a gradient hook on
+    each tensor a gradient will reach (Dynamo traces ``register_hook`` on an intermediate
+    into the graph)."""
+    leaves = traced_leaves(output)
+    grad_enabled = is_grad_enabled()
+    tensors = [t for _, t in leaves]
+    kinds = [_kind(t, grad_enabled) for t in tensors]
+    if WATCH in kinds and _nested():
+        kinds = [NESTED if kind == WATCH else kind for kind in kinds]
+    ticket = record_call(
+        tensors,
+        key,
+        layer,
+        _site(key, tuple(p for p, _ in leaves)),
+        bool(module.training),
+        grad_enabled,
+        kinds,
+    )
+    tickets = flags.tickets
+    if tickets is not None:  # the root hooks are traced in this graph: ``end`` waits for it
+        tickets.append(ticket)
+    for position, (tensor, kind) in enumerate(zip(tensors, kinds, strict=True)):
+        if kind == WATCH:
+            tensor.register_hook(_reporter(ticket, position))  # type: ignore[no-untyped-call]
+
+
+def call(key: int, layer: int, module: nn.Module, output: Any) -> None:
+    """Traced forward hook of a selected module (also the traced path of a forward override)."""
+    _enter_compiled(key, False)
+    flags = FLAGS[key]
+    if flags.sampled:
+        _capture(key, flags, layer, module, output)
+
+
+def root_enter(key: int) -> None:
+    """Traced root pre-hook: the root's hooks are inlined into this graph (decided ahead)."""
+    _enter_compiled(key, True)
+    flags = FLAGS[key]
+    if flags.sampled:
+        begin(key)
+        # A list made in the trace: Dynamo neither guards on it nor keeps its tensors alive.
+        flags.tickets = []
+
+
+def root_exit(key: int, module: nn.Module, output: Any) -> None:
+    """Traced root forward hook: capture the root's output when selected, end the forward."""
+    flags = FLAGS[key]
+    if not flags.sampled:
+        advance(key)
+        return
+    if flags.root_layer is not None:
+        _capture(key, flags, flags.root_layer, module, output)
+    end(key, flags.tickets or [])
+    flags.tickets = None
+
+
+def run_hooks_eagerly_as_frames(*functions: Callable[..., Any]) -> bool:
+    """Tell Dynamo to run each function's frame, and every frame it calls, eagerly when it meets
+    them as frames of their own (hooks that ``Module._call_impl`` calls under
+    ``torch.compile``); where Dynamo inlines them they are still traced. Returns False when
+    this torch has no such setting (then such hooks are compiled as frames of their own, and the
+    root's take the decide-ahead path)."""
+    return all([torch_private.skip_frames(function) for function in functions])
+
+
+__all__ = [
+    "CUDA_GRAPHS_REFUSED",
+    "NESTED",
+    "call",
+    "cuda_graphs_requested",
+    "is_compiling",
+    "root_enter",
+    "root_exit",
+    "run_hooks_eagerly_as_frames",
+    "traced_leaves",
+]
