@@ -34,11 +34,18 @@ PACKAGES: Final[tuple[str, ...]] = ("ti-schema", "ti-core", "ti-io", "ti-dist", 
 TEST_EXTRAS: Final[Mapping[str, tuple[str, ...]]] = {"ti-examples": ("lightning", "transformers")}
 """Extras a package's own tests need (the examples exercise Lightning and Transformers)."""
 
-# Tests must not reach a model hub (no network in CI) nor open plot windows.
+INDUCTOR_CACHE: Final[Path] = ROOT / ".nox" / "inductor-cache"
+"""One on-disk torch.compile (inductor) cache for every test session: ti-core's compiled-capture
+tests compile the same tiny graphs in tests(ti-core), minimums and wheels; only the first pays
+the cold C++ builds."""
+
+# Tests must not reach a model hub (no network in CI) nor open plot windows; compiled graphs
+# are cached across sessions (INDUCTOR_CACHE).
 TEST_ENV: Final[Mapping[str, str]] = {
     "MPLBACKEND": "Agg",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE),
 }
 
 
