@@ -17,7 +17,8 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 
-from ti_core.reduction.histograms import HistogramData
+from ti_core.reduction import layout
+from ti_core.reduction.histograms import HistogramData, HistogramRows, single_value_limit
 
 SignalName = Literal["output", "output_gradient"]
 """Values of the ``signal`` column (``ti_schema.SIGNALS``)."""
@@ -385,10 +386,36 @@ def histogram_batch(
     sample_id: int,
     forward_index: int,
     entries: Entries | Sequence[Entry],
-    histograms: Sequence[HistogramData],
+    histograms: HistogramRows | Sequence[HistogramData],
 ) -> pa.RecordBatch:
     """One ``ti.histograms`` row per entry."""
     entries = as_entries(entries)
+    if isinstance(histograms, HistogramRows):
+        lists = _histogram_lists(histograms)
+    else:
+        lists = _histogram_data_lists(histograms)
+    limits, limit_offsets, counts, count_offsets, heads, num, nonfinite = lists
+    no_range = num == 0
+    columns = [
+        *_identity(run, signal, sample_id, forward_index, entries, 1),
+        pa.ListArray.from_arrays(pa.array(limit_offsets), pa.array(limits, pa.float64())),
+        pa.ListArray.from_arrays(pa.array(count_offsets), pa.array(counts, pa.int64())),
+        pa.array(heads[:, 0], pa.float64(), mask=no_range),
+        pa.array(heads[:, 1], pa.float64(), mask=no_range),
+        pa.array(num, pa.int64()),
+        pa.array(heads[:, 3]),
+        pa.array(heads[:, 4]),
+        pa.array(nonfinite, pa.int64()),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=run.histogram_schema)
+
+
+_Lists = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Bucket limits and their offsets, counts and theirs, the (k, 6) heads (min, max, num, sum,
+sum of squares, non-finite), num and non-finite counts as int64."""
+
+
+def _histogram_data_lists(histograms: Sequence[HistogramData]) -> _Lists:
     limits = [np.asarray(h.bucket_limits, dtype=np.float64) for h in histograms]
     counts = [np.asarray(h.bucket_counts, dtype=np.int64) for h in histograms]
     limit_offsets = np.zeros(len(histograms) + 1, dtype=np.int32)
@@ -409,16 +436,39 @@ def histogram_batch(
         ],
         dtype=np.float64,
     ).reshape(len(histograms), 6)
-    no_range = np.array([h.min is None for h in histograms], dtype=np.bool_)
-    columns = [
-        *_identity(run, signal, sample_id, forward_index, entries, 1),
-        pa.ListArray.from_arrays(pa.array(limit_offsets), pa.array(_concat(limits, np.float64))),
-        pa.ListArray.from_arrays(pa.array(count_offsets), pa.array(_concat(counts, np.int64))),
-        pa.array(heads[:, 0], pa.float64(), mask=no_range),
-        pa.array(heads[:, 1], pa.float64(), mask=no_range),
-        pa.array([int(h.num) for h in histograms], pa.int64()),
-        pa.array(heads[:, 3]),
-        pa.array(heads[:, 4]),
-        pa.array([int(h.nonfinite_count) for h in histograms], pa.int64()),
-    ]
-    return pa.RecordBatch.from_arrays(columns, schema=run.histogram_schema)
+    num = np.array([int(h.num) for h in histograms], dtype=np.int64)
+    nonfinite = np.array([int(h.nonfinite_count) for h in histograms], dtype=np.int64)
+    return (
+        _concat(limits, np.float64),
+        limit_offsets,
+        _concat(counts, np.int64),
+        count_offsets,
+        heads,
+        num,
+        nonfinite,
+    )
+
+
+def _histogram_lists(histograms: HistogramRows) -> _Lists:
+    """The columns of ``histograms`` from its matrix, as :class:`HistogramData` would give them
+    (empty histograms have no bucket and zero sums; a single-valued one has one bucket)."""
+    rows, bins = histograms.rows, histograms.bins
+    k = len(rows)
+    heads = rows[:, : layout.HISTOGRAM_HEAD].copy()
+    num = heads[:, layout.H_NUM].astype(np.int64)
+    nonfinite = heads[:, layout.H_NONFINITE].astype(np.int64)
+    empty = num == 0
+    heads[empty, layout.H_SUM] = 0.0
+    heads[empty, layout.H_SUM_SQUARES] = 0.0
+    single = ~empty & (heads[:, layout.H_MIN] == heads[:, layout.H_MAX])
+    edges = layout.histogram_edges(bins)
+    limits = rows[:, edges.start + 1 : edges.stop].copy()
+    counts = rows[:, layout.histogram_counts(bins)].astype(np.int64)
+    for r in np.flatnonzero(single).tolist():
+        limits[r, 0] = single_value_limit(float(heads[r, layout.H_MAX]))
+        counts[r, 0] = num[r]
+    lengths = np.where(empty, 0, np.where(single, 1, bins))
+    offsets = np.zeros(k + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    kept = np.arange(bins)[None, :] < lengths[:, None]
+    return limits[kept], offsets, counts[kept], offsets, heads, num, nonfinite

@@ -19,7 +19,8 @@ import torch
 
 from ti_core.capture.snapshots import SnapshotPool
 from ti_core.records import Entries, Entry
-from ti_core.reduction.histograms import DEFAULT_BINS, HistogramData, compute_histograms
+from ti_core.reduction import layout
+from ti_core.reduction.histograms import DEFAULT_BINS, HistogramRows, histogram_rows
 from ti_core.reduction.plan import ReductionPlan
 from ti_core.reduction.support import dtype_name
 
@@ -47,7 +48,9 @@ class Reduced:
     reasons: Sequence[list[str | None]]
     errors: list[BaseException]
     histogram_entries: Entries = field(default_factory=Entries)
-    histograms: list[HistogramData] = field(default_factory=list)
+    histograms: HistogramRows = field(
+        default_factory=lambda: HistogramRows(np.zeros((0, layout.histogram_width(1))), 1)
+    )
 
 
 Row = tuple[int, int, str, bool, bool, int, int]
@@ -105,7 +108,8 @@ class TensorBatch:
         self._reasons: list[list[str | None]] = []
         self._reduced_slots: list[int] = []
         self._errors: list[BaseException] = []
-        self._hist: dict[int, HistogramData] = {}
+        self._hist: dict[int, np.ndarray] = {}
+        """Histogram row (``ti_core.reduction.layout``) of each focus slot."""
         self.host_only = True
         """Every tensor added so far lives in host memory (the emission worker may reduce it)."""
 
@@ -235,13 +239,15 @@ class TensorBatch:
         ]
         if focus:
             try:
-                hists = compute_histograms(
+                hists = histogram_rows(
                     [t for _, t, _, _ in focus],
                     bins=self._bins,
                     ordered=[o for _, _, o, _ in focus],
                     moments=[known for _, _, _, known in focus],
                 )
-                self._hist.update((s, h) for (s, _, _, _), h in zip(focus, hists, strict=True))
+                self._hist.update(
+                    (s, row) for (s, _, _, _), row in zip(focus, hists.rows, strict=True)
+                )
             except Exception as error:
                 self._errors.append(error)
         if self._pool is not None and self._pooled:
@@ -291,8 +297,7 @@ class TensorBatch:
         values = np.concatenate(self._values)[rows]
         available = np.concatenate(self._available)[rows]
         reasons = _RowReasons(self._reasons, rows)
-        histograms: list[HistogramData] = []
-        hist_entries = Entries()
+        reduced = Reduced(entries, values, available, reasons, self._errors)
         if self._hist:
             focus, hist = self._focus, self._hist
             hist_rows = [
@@ -300,9 +305,11 @@ class TensorBatch:
                 for i, (layer, slot) in enumerate(zip(entries.layer, slot_of, strict=True))
                 if slot in hist and layer in focus
             ]
-            histograms = [hist[slot_of[i]] for i in hist_rows]
-            hist_entries = entries.take(hist_rows)
-        return Reduced(entries, values, available, reasons, self._errors, hist_entries, histograms)
+            if hist_rows:
+                matrix = np.stack([hist[slot_of[i]] for i in hist_rows])
+                reduced.histograms = HistogramRows(matrix, self._bins)
+                reduced.histogram_entries = entries.take(hist_rows)
+        return reduced
 
 
 class _RowReasons(Sequence[list[str | None]]):
