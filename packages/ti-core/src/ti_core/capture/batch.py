@@ -244,6 +244,7 @@ class TensorBatch:
                     bins=self._bins,
                     ordered=[o for _, _, o, _ in focus],
                     moments=[known for _, _, _, known in focus],
+                    trusted=True,
                 )
                 self._hist.update(
                     (s, row) for (s, _, _, _), row in zip(focus, hists.rows, strict=True)

@@ -110,8 +110,14 @@ def histogram_rows(
     bins: int = DEFAULT_BINS,
     ordered: Sequence[tuple[np.ndarray, Moments] | None] | None = None,
     moments: Sequence[Moments | None] | None = None,
+    *,
+    trusted: bool = False,
 ) -> HistogramRows:
-    """:func:`compute_histograms` as one :class:`HistogramRows` (row ``i``: tensor ``i``)."""
+    """:func:`compute_histograms` as one :class:`HistogramRows` (row ``i``: tensor ``i``).
+
+    ``trusted``: ``moments`` come from the reduction of these very tensors just before (as in
+    a :class:`~ti_core.capture.batch.TensorBatch`), so the bucket pass does not check them
+    block by block (the count of finite entries is still checked)."""
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}; pass e.g. bins=30")
     width = layout.histogram_width(bins)
@@ -132,7 +138,7 @@ def histogram_rows(
                     counted.append((i, done))
                     continue
                 known = moments[i] if moments is not None and i < len(moments) else None
-                out[i] = histogram_large(flat_float(t).numpy(), bins, known)
+                out[i] = histogram_large(flat_float(t).numpy(), bins, known, trusted=trusted)
             else:
                 pending.setdefault(t.device, []).append((i, _device_row(t, bins)))
         if counted:

@@ -93,42 +93,94 @@ class _Band:
         self.below = 0
         self.at_lo = 0
         self.at_hi = 0
-        self.inside: list[np.ndarray] = []
+        self.inside = np.empty(0)
+        """The collected entries, unordered (set by :class:`_BandScan` after the pass)."""
 
-    def scan(self, c: np.ndarray) -> None:
+    def count(self, c: np.ndarray) -> np.ndarray | None:
+        """Count the block ``c`` below the band and at its tied ends; return the mask of the
+        entries to collect (None: the band collects nothing)."""
         lo, hi = self.lo, self.hi
         ge = c >= lo
         n_ge = int(np.count_nonzero(ge))
         self.below += c.size - n_ge
         if lo == hi:
             self.at_lo += n_ge - int(np.count_nonzero(c > hi))
-            return
+            return None
         if self.tied:
             gt = c > lo
             self.at_lo += n_ge - int(np.count_nonzero(gt))
-            lt = c < hi
             self.at_hi += int(np.count_nonzero(c == hi))
-            ge = np.logical_and(gt, lt, out=gt)
-        else:
-            ge &= c <= hi
-        idx = np.flatnonzero(ge)
-        if idx.size:
-            self.inside.append(c[idx])
+            return np.logical_and(gt, c < hi, out=gt)
+        return np.logical_and(ge, c <= hi, out=ge)
 
-    def value(self, rank: int, ordered: np.ndarray) -> float | None:
-        """The value at ``rank`` of all finite entries, or None if the band misses it."""
-        r = rank - self.below
-        if r < 0:
+    def select(self, found: np.ndarray) -> np.ndarray:
+        """Of ``found`` (a superset), the entries this band collects."""
+        if self.lo == self.hi:
+            return found[:0]
+        if self.tied:
+            return found[(found > self.lo) & (found < self.hi)]
+        return found[(found >= self.lo) & (found <= self.hi)]
+
+    def values(self, ranks: list[int]) -> list[float] | None:
+        """The values at ``ranks`` (ascending) of all finite entries, or None if the band
+        misses one. Entries inside the band are selected, not sorted."""
+        inside = self.inside
+        out: list[float] = []
+        part = -1  # ``inside`` is partitioned around this position
+        for rank in ranks:
+            r = rank - self.below
+            if r < 0:
+                return None
+            if r < self.at_lo:
+                out.append(self.lo)
+                continue
+            r -= self.at_lo
+            if r < inside.size:
+                if part < 0:
+                    inside.partition(r)
+                    part = r
+                elif r == part + 1:  # the next order statistic: the smallest above
+                    out.append(float(inside[r:].min()))
+                    continue
+                elif r != part:  # pragma: no cover - quartile ranks are equal or adjacent
+                    inside.partition(r)
+                    part = r
+                out.append(float(inside[r]))
+                continue
+            r -= inside.size
+            if r < self.at_hi:
+                out.append(self.hi)
+                continue
             return None
-        if r < self.at_lo:
-            return self.lo
-        r -= self.at_lo
-        if r < ordered.size:
-            return float(ordered[r])
-        r -= ordered.size
-        if r < self.at_hi:
-            return self.hi
-        return None
+        return out
+
+
+class _BandScan:
+    """The three quartile bands scanned block by block with one compaction per block: the
+    entries of every band are collected together and split by band after the pass."""
+
+    def __init__(self, bands: list[_Band]) -> None:
+        self.bands = bands
+        self._found: list[np.ndarray] = []
+
+    def scan(self, c: np.ndarray) -> None:
+        union = None
+        for band in self.bands:
+            mask = band.count(c)
+            if mask is not None:
+                union = mask if union is None else np.logical_or(union, mask, out=union)
+        if union is not None:
+            idx = np.flatnonzero(union)
+            if idx.size:
+                self._found.append(c[idx])
+
+    def finish(self) -> list[_Band]:
+        """Hand each band its collected entries."""
+        found = np.concatenate(self._found) if self._found else np.empty(0)
+        self._found = []
+        for band in self.bands:
+            band.inside = band.select(found)
+        return self.bands
 
 
 def _bands(a: np.ndarray) -> list[_Band] | None:
@@ -164,6 +216,7 @@ def reduce_large(a: np.ndarray) -> tuple[np.ndarray, Moments]:
     lo_all, hi_all = math.inf, -math.inf
     zeros = nonfinite = 0
     s1 = s2 = 0.0
+    scan = _BandScan(bands) if bands is not None else None
     buf = np.empty(min(BLOCK, n), dtype=np.float64)
     for start in range(0, n, BLOCK):
         c = a[start : start + BLOCK]
@@ -180,9 +233,10 @@ def reduce_large(a: np.ndarray) -> tuple[np.ndarray, Moments]:
         np.subtract(c, shift, out=d, dtype=np.float64)
         s1 += float(d.sum())
         s2 += float(np.einsum("i,i->", d, d))  # not BLAS: no thread pool, no contention
-        if bands is not None:
-            for band in bands:
-                band.scan(c)
+        if scan is not None:
+            scan.scan(c)
+    if scan is not None:
+        bands = scan.finish()
     nf = n - nonfinite
     row = np.full(layout.WIDTH, math.nan)
     row[layout.ZERO_FRACTION] = zeros / n
@@ -225,22 +279,17 @@ def _centered_sums(a: np.ndarray, center: float, has_nonfinite: bool) -> tuple[f
 
 def _quartiles(a: np.ndarray, nf: int, bands: list[_Band] | None) -> list[float]:
     out: list[float] = []
-    missed = bands is None
-    for j, (lo, hi, frac) in enumerate(quantile_positions(nf)):
-        if bands is None:
-            break
-        band = bands[j]
-        ordered = np.sort(np.concatenate(band.inside)) if band.inside else np.empty(0)
-        band.inside = []
-        va, vb = band.value(lo, ordered), band.value(hi, ordered)
-        if va is None or vb is None:
-            missed = True
-            break
-        out.append(lerp(va, vb, frac))
-    if not missed:
-        return out
-    finite = a[np.isfinite(a)] if nf < a.size else a.copy()
     positions = quantile_positions(nf)
+    if bands is not None:
+        for band, (lo, hi, frac) in zip(bands, positions, strict=True):
+            found = band.values([lo] if hi == lo else [lo, hi])
+            if found is None:
+                break
+            out.append(lerp(found[0], found[-1], frac))
+            band.inside = np.empty(0)
+        else:
+            return out
+    finite = a[np.isfinite(a)] if nf < a.size else a.copy()
     ranks = sorted({r for lo, hi, _ in positions for r in (lo, hi)})
     finite.partition(ranks)
     return [lerp(float(finite[lo]), float(finite[hi]), frac) for lo, hi, frac in positions]
