@@ -205,17 +205,19 @@ class TensorBatch:
         if fits:
             self._bytes += nbytes
         else:
-            self._reduce_pending()
+            # The capturing thread waits for this pass; a helper thread may share it only
+            # where the user let torch use more than one intra-op thread.
+            self._reduce_pending(parallel=torch.get_num_threads() > 1)
         return slot
 
-    def _reduce_pending(self) -> None:
+    def _reduce_pending(self, parallel: bool = False) -> None:
         if not self._pending:
             return
         tensors, slots = self._pending, self._pending_slots
         self._pending, self._pending_slots, self._bytes = [], [], 0
         n, m = len(tensors), self._n_metrics
         try:
-            got = self._plan.reduce(tensors)
+            got = self._plan.reduce(tensors, parallel=parallel)
             values = np.asarray(got.values, dtype=np.float64).reshape(n, m)
             available = np.asarray(got.available, dtype=np.bool_).reshape(n, m)
             reasons = [list(r) for r in got.reasons]
@@ -245,6 +247,7 @@ class TensorBatch:
                     ordered=[o for _, _, o, _ in focus],
                     moments=[known for _, _, _, known in focus],
                     trusted=True,
+                    parallel=parallel,
                 )
                 self._hist.update(
                     (s, row) for (s, _, _, _), row in zip(focus, hists.rows, strict=True)

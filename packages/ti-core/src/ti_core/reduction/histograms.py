@@ -112,12 +112,15 @@ def histogram_rows(
     moments: Sequence[Moments | None] | None = None,
     *,
     trusted: bool = False,
+    parallel: bool = False,
 ) -> HistogramRows:
     """:func:`compute_histograms` as one :class:`HistogramRows` (row ``i``: tensor ``i``).
 
     ``trusted``: ``moments`` come from the reduction of these very tensors just before (as in
     a :class:`~ti_core.capture.batch.TensorBatch`), so the bucket pass does not check them
-    block by block (the count of finite entries is still checked)."""
+    block by block (the count of finite entries is still checked). ``parallel``: the caller
+    waits for the result (the training thread), so a pass over a large CPU tensor may use a
+    helper thread."""
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}; pass e.g. bins=30")
     width = layout.histogram_width(bins)
@@ -138,7 +141,9 @@ def histogram_rows(
                     counted.append((i, done))
                     continue
                 known = moments[i] if moments is not None and i < len(moments) else None
-                out[i] = histogram_large(flat_float(t).numpy(), bins, known, trusted=trusted)
+                out[i] = histogram_large(
+                    flat_float(t).numpy(), bins, known, trusted=trusted, parallel=parallel
+                )
             else:
                 pending.setdefault(t.device, []).append((i, _device_row(t, bins)))
         if counted:
