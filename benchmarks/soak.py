@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.sink == "dir":
             options["output_dir"] = str(Path(tmp) / "stats")
         elif args.sink == "memory":
-            options["sink"] = MemorySink()
+            options.update(sink=MemorySink(), output_dir=None)
         else:
-            options["sink"] = counting
+            options.update(sink=counting, output_dir=None)
         inject_observer(model, **options)
         start = time.perf_counter()
         try:

@@ -55,7 +55,9 @@ def workload_pairs(name: str, pairs: int, steps: int, sink: str) -> list[tuple[f
 
             def attached(i: int = i) -> float:
                 target = DirectorySink(Path(tmp) / f"run-{i}") if sink == "dir" else MemorySink()
-                inject_observer(w.model, sampler=EveryNForwardsSampler(10**9), sink=target)
+                inject_observer(
+                    w.model, sampler=EveryNForwardsSampler(10**9), output_dir=None, sink=target
+                )
                 try:
                     # Not timed: forward 0 (always sampled), the next one (which removes the
                     # per-module hooks), and the background work of that sample.
@@ -95,7 +97,9 @@ def root_forward_cost(calls: int = 20_000, rounds: int = 7) -> tuple[float, floa
     bare, attached = [], []
     for _ in range(rounds):
         bare.append(loop())
-        inject_observer(model, sink=MemorySink(), sampler=EveryNForwardsSampler(10**9))
+        inject_observer(
+            model, output_dir=None, sink=MemorySink(), sampler=EveryNForwardsSampler(10**9)
+        )
         model(x)
         attached.append(loop())
         remove_observer(model)

@@ -62,6 +62,7 @@ class _Impl:
         if sink == "memory":
             memory = mod.MemorySink()
             kwargs["sink"] = memory
+            kwargs["output_dir"] = None  # in memory only (ti-core's MemorySink)
         else:
             kwargs["output_dir"] = str(out)
         mod.inject_observer(model, **kwargs)

@@ -57,8 +57,69 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 side = Path(cfg["side"])
 
+
+def observe_wrapped(name):
+    # Observe the wrapped model itself, in every wrapping; record what the observer named.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ti_core import MemorySink
+
+    def fsdp2(model):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)  # in place: the model stays a Sequential with the same names
+        return model
+
+    wrappings = {
+        "bare": lambda m: m,
+        "ddp": DDP,
+        "ddp(compile)": lambda m: DDP(torch.compile(m, backend="eager")),
+        "compile(ddp)": lambda m: torch.compile(DDP(m), backend="eager"),
+    }
+    if cfg["fully_shard"]:
+        wrappings["fully_shard"] = fsdp2
+    found = {}
+    for wrapping, wrap in wrappings.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        leaves = [n for n, m in model.named_modules() if next(m.children(), None) is None]
+        net = wrap(model)
+        sink = MemorySink()
+        inject_observer(
+            net, output_dir=None, sink=sink, sampler=AlwaysSampler(), rank_policy="all"
+        )
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        shard = torch.Generator().manual_seed(1000 + rank)
+        for _ in range(2):
+            x = torch.randn(16, 8, generator=shard)
+            y = torch.randn(16, 4, generator=shard)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        remove_observer(net)
+        rows = sink.table().to_pylist()
+        found[wrapping] = {
+            "leaves": leaves,
+            "catalog": [layer.name for layer in sink.run.layers],
+            "layers": sorted({r["layer"] for r in rows}),
+            "ranks": sorted({r["rank"] for r in rows}),
+            "samples": sorted({r["sample_id"] for r in rows}),
+            "first": {
+                f"{r['layer']}|{r['signal']}|{r['metric']}": r["value"]
+                for r in rows
+                if r["sample_id"] == 0
+            },
+        }
+    (side / f"{name}-rank{rank}.json").write_text(json.dumps(found))
+
+
 for phase in cfg["phases"]:
     out, name, mode = Path(phase["out"]), phase["name"], phase["mode"]
+    if mode == "wrapped":
+        observe_wrapped(name)
+        continue
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     if mode == "fsdp2":
@@ -380,13 +441,48 @@ def _fully_shard_missing() -> str | None:
 
 @pytest.fixture(scope="module")
 def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
-    """One job of 2 plain processes: FSDP2 with "all", then DDP with "all" where rank 1 kills
-    itself (SIGKILL) after its last collective, before removing its observer."""
+    """One job of 2 plain processes: the wrapped models observed directly (DDP, compiled, FSDP2),
+    FSDP2 with "all", then DDP with "all" where rank 1 kills itself (SIGKILL) after its last
+    collective, before removing its observer."""
     root = tmp_path_factory.mktemp("job2")
-    phases = [] if _fully_shard_missing() else [phase("fsdp", "all", mode="fsdp2")]
+    phases = [phase("wrapped", "all", mode="wrapped")]
+    if not _fully_shard_missing():
+        phases.append(phase("fsdp", "all", mode="fsdp2"))
     phases.append(phase("killed", "all", buffer_rows=64, kill_rank=1, min_parts=2))
-    codes = launch_ranks(root, 2, job_config(root, phases))
+    cfg = job_config(root, phases)
+    cfg["fully_shard"] = _fully_shard_missing() is None
+    codes = launch_ranks(root, 2, cfg)
     return root, codes
+
+
+def test_wrapped_models_are_named_like_the_bare_model(
+    two_rank_job: tuple[Path, list[int]],
+) -> None:
+    """inject_observer on DistributedDataParallel(model), DDP of a compiled model, a compiled
+    DDP and an FSDP2 ``fully_shard`` model, in real gloo processes: the layers carry the bare
+    model's ``named_modules()`` names (no ``module.`` / ``_orig_mod.`` prefix), and the first
+    sample (same weights, same data) measures what the unwrapped model measures."""
+    root, codes = two_rank_job
+    assert codes == [0, -signal.SIGKILL], [_log(root, f"rank{r}.log") for r in range(2)]
+    expected = ["ddp", "ddp(compile)", "compile(ddp)"]
+    if not _fully_shard_missing():
+        expected.append("fully_shard")
+    for rank in range(2):
+        found = side_facts(root, "wrapped", rank)
+        bare = found.pop("bare")
+        assert bare["layers"] == bare["leaves"] == ["0", "1", "2"]
+        assert sorted(found) == sorted(expected)
+        for wrapping, facts in found.items():
+            assert facts["catalog"] == facts["leaves"] == ["0", "1", "2"], wrapping
+            assert facts["layers"] == ["0", "1", "2"], wrapping
+            assert facts["ranks"] == [rank]
+            assert facts["samples"] == [0, 1], wrapping
+            assert facts["first"].keys() == bare["first"].keys(), wrapping
+            for key, value in bare["first"].items():
+                assert facts["first"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (
+                    wrapping,
+                    key,
+                )
 
 
 def test_fsdp2_fully_shard_all_ranks(two_rank_job: tuple[Path, list[int]]) -> None:

@@ -69,6 +69,7 @@ def _run(base: nn.Module, mode: str, sink: Any = None, output_dir: Path | None =
         options["output_dir"] = output_dir
     else:
         options["sink"] = sink if sink is not None else MemorySink()
+        options["output_dir"] = None  # in memory only
     torch._dynamo.reset()
     if mode == "eager":
         target: nn.Module = model
@@ -136,7 +137,7 @@ def test_observing_the_optimized_module_reports_original_names(tmp_path: Path) -
     # the compiled model itself is untouched by removal: no observer state on either object
     compiled = torch.compile(copy.deepcopy(base), backend=BACKEND)
     sink = MemorySink()
-    inject_observer(compiled, sink=sink, sampler=EveryNForwardsSampler(1))
+    inject_observer(compiled, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(1))
     assert has_observer(compiled)
     assert not has_observer(compiled._orig_mod)  # type: ignore[arg-type]
     remove_observer(compiled)
@@ -152,7 +153,7 @@ def test_graph_breaks_are_counted_only_where_documented() -> None:
     x = torch.randn(3, 5)
 
     torch._dynamo.reset()
-    inject_observer(model, sink=MemorySink(), sampler=EveryNForwardsSampler(1))
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=EveryNForwardsSampler(1))
     try:
         sampled = torch._dynamo.explain(model)(x)
     finally:

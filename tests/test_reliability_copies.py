@@ -72,7 +72,11 @@ def test_copy_is_unobserved_runs_and_records_nothing(
     sink = MemorySink()
     # EveryNForwardsSampler(2): after forward 0 the capture is installed, after forward 1 not
     inject_observer(
-        model, sink=sink, sampler=EveryNForwardsSampler(2), capture_direct_forwards=direct
+        model,
+        output_dir=None,
+        sink=sink,
+        sampler=EveryNForwardsSampler(2),
+        capture_direct_forwards=direct,
     )
     x = torch.randn(3, 4)
     model(x).sum().backward()
@@ -147,7 +151,7 @@ def test_state_dict_and_saved_weights_are_unchanged_by_observing(tmp_path: Path)
     model = _model()
     before = io.BytesIO()
     torch.save(model.state_dict(), before)
-    inject_observer(model, sink=MemorySink(), sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=AlwaysSampler())
     model(torch.randn(2, 4))
     during = io.BytesIO()
     torch.save(model.state_dict(), during)

@@ -67,7 +67,7 @@ def _soak() -> None:
     model.add_module("head", nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     sink = CountingSink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     x = torch.randn(8, 16)
 
     def step(i: int) -> None:

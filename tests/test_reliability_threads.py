@@ -88,7 +88,7 @@ def test_concurrent_threads_never_mix_gradients_between_samples() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5, dtype=torch.float64), nn.Tanh())
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     gen = torch.Generator().manual_seed(1)
     inputs = {i: torch.randn(i + 1, 3, dtype=torch.float64, generator=gen) for i in range(THREADS)}
     scale = {i: float(i + 1) for i in range(THREADS)}
@@ -169,7 +169,7 @@ def test_unsampled_threads_do_no_per_module_work(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(Sample, "record", counting_record)
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=ByThreadName())
+    inject_observer(model, output_dir=None, sink=sink, sampler=ByThreadName())
     before = _hooks(model)
 
     # an unsampled forward with no sample outstanding: no per-module hook exists at all
@@ -299,7 +299,7 @@ def test_exception_in_one_thread_does_not_disturb_the_others() -> None:
     torch.manual_seed(0)
     model = ThreadExploding()
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     raised: list[str] = []
 
     def work(i: int) -> None:

@@ -36,8 +36,9 @@ def history_file(tmp_path: Path) -> Path:
 def test_pyarrow_file_keeps_ti_in_the_footer_polars_reads(history_file: Path) -> None:
     footer = pl.read_parquet_metadata(history_file)
     doc = ti_schema.parse_metadata(footer)
-    assert doc == {"schema": "ti.history", "schema_version": "1.0", "producer": "ti-core 0.1.0"}
-    assert ti_schema.check_compatible(footer) == (1, 0)
+    version = ti_schema.SCHEMA_VERSION
+    assert doc == {"schema": "ti.history", "schema_version": version, "producer": "ti-core 0.1.0"}
+    assert ti_schema.check_compatible(footer) == ti_schema.parse_version(version)
 
 
 @pytest.mark.parametrize("compat", ["oldest", "newest"])

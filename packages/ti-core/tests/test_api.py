@@ -94,7 +94,7 @@ def test_bad_input_raises_and_leaves_the_model_untouched(
     model = small_model()
     before = hook_state(model)
     sink = MemorySink()
-    options = {"sink": sink, **options}
+    options = {"sink": sink, "output_dir": None, **options}
     with pytest.raises(error, match=message):
         inject_observer(model, **options)
     assert hook_state(model) == before
@@ -111,17 +111,17 @@ def test_n_below_one_is_refused() -> None:
 
 def test_not_a_module() -> None:
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
-        inject_observer(lambda x: x, sink=MemorySink())  # type: ignore[arg-type]
+        inject_observer(lambda x: x, output_dir=None, sink=MemorySink())  # type: ignore[arg-type]
 
 
 def test_double_injection_is_refused_and_keeps_the_first() -> None:
     model = small_model()
     first = MemorySink()
-    inject_observer(model, sink=first, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=first, sampler=AlwaysSampler())
     state = hook_state(model)
     second = MemorySink()
     with pytest.raises(ObserverAlreadyAttachedError, match="remove_observer"):
-        inject_observer(model, sink=second)
+        inject_observer(model, output_dir=None, sink=second)
     assert hook_state(model) == state
     assert second.open_count == 0
     model(torch.randn(1, 3))
@@ -135,7 +135,7 @@ def test_sink_open_failure_closes_opened_sinks_and_leaves_model_untouched() -> N
     before = hook_state(model)
     good, bad = MemorySink(), RecordingSink(fail_open=True)
     with pytest.raises(FileExistsError):
-        inject_observer(model, sink=[good, bad])
+        inject_observer(model, output_dir=None, sink=[good, bad])
     assert hook_state(model) == before
     assert not has_observer(model)
     assert good.open_count == 1
@@ -145,7 +145,7 @@ def test_sink_open_failure_closes_opened_sinks_and_leaves_model_untouched() -> N
 def test_several_sinks_get_the_same_records_and_close_once() -> None:
     model = small_model()
     a, b = MemorySink(), MemorySink()
-    with observe(model, sink=[a, b], sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=[a, b], sampler=AlwaysSampler()):
         assert has_observer(model)
         model(torch.randn(2, 3)).sum().backward()
     assert not has_observer(model)
@@ -160,6 +160,7 @@ def test_run_info() -> None:
     sink = MemorySink()
     inject_observer(
         model,
+        output_dir=None,
         sink=sink,
         sampler=EveryNForwardsSampler(4),
         histogram_selector=["2"],
@@ -182,7 +183,7 @@ def test_run_info() -> None:
 def test_default_focus_is_first_eight_selected_and_histograms_are_emitted() -> None:
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)])
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         model(torch.randn(3, 2)).sum().backward()
     assert sink.run is not None
     assert sink.run.focus_layers == tuple(str(i) for i in range(8))
@@ -204,7 +205,7 @@ def test_rank_policy_that_does_not_observe_attaches_nothing() -> None:
     model = small_model()
     before = hook_state(model)
     sink = MemorySink()
-    inject_observer(model, sink=sink, rank_policy=NoObservation())
+    inject_observer(model, output_dir=None, sink=sink, rank_policy=NoObservation())
     assert not has_observer(model)
     assert hook_state(model) == before
     assert sink.open_count == 0
@@ -221,7 +222,7 @@ class Rank2:
 def test_rank_policy_object_wins_and_sets_rank_column() -> None:
     model = small_model()
     sink = MemorySink()
-    with observe(model, sink=sink, rank_policy=Rank2(), sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, rank_policy=Rank2(), sampler=AlwaysSampler()):
         model(torch.randn(1, 3))
     assert sink.run is not None
     assert sink.run.rank_subdir == "rank-002"
@@ -258,9 +259,10 @@ def test_default_output_dir_needs_ti_io(tmp_path: Path, monkeypatch: pytest.Monk
     model = small_model()
     before = hook_state(model)
     if not _ti_io_installed():
-        with pytest.raises(MissingProviderError, match="pip install ti-io") as info:
-            inject_observer(model)
-        assert "sink=MemorySink()" in str(info.value)
+        for options in ({}, {"sink": MemorySink()}):
+            with pytest.raises(MissingProviderError, match="pip install ti-io") as info:
+                inject_observer(model, **options)
+            assert "output_dir=None" in str(info.value)
         assert hook_state(model) == before
         assert not list(tmp_path.iterdir())
     else:
@@ -277,17 +279,77 @@ def test_missing_directory_provider_message(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(resolve, "directory_sink_factory", lambda: None)
     model = small_model()
     before = hook_state(model)
-    with pytest.raises(MissingProviderError, match="pip install ti-io"):
-        inject_observer(model)
-    with pytest.raises(MissingProviderError, match="sink=MemorySink"):
-        inject_observer(model, output_dir="somewhere", sink=MemorySink())
+    memory = MemorySink()
+    cases = [
+        ({}, "output_dir='stats' by default"),
+        ({"sink": memory}, "sink= adds to the run directory"),
+        ({"output_dir": "somewhere", "sink": memory}, "output_dir= needs the directory sink"),
+    ]
+    for options, what in cases:
+        with pytest.raises(MissingProviderError, match="pip install ti-io") as info:
+            inject_observer(model, **options)
+        assert what in str(info.value)
+        assert "output_dir=None" in str(info.value)  # the other way out, named
     assert hook_state(model) == before
+    assert memory.open_count == 0
+
+
+class FakeDirectorySink(MemorySink):
+    """Stands in for ti-io's DirectorySink (what ti.sinks/directory resolves to) where ti-io is
+    not installed: remembers every instance and the directory it was made for."""
+
+    made: list[FakeDirectorySink] = []  # noqa: RUF012 - reset by the test
+
+    def __init__(self, output_dir: object) -> None:
+        super().__init__()
+        self.output_dir = str(output_dir)
+        FakeDirectorySink.made.append(self)
+
+
+def test_sink_adds_to_the_default_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sink= is additive: the default output_dir="stats" still applies (torchinstruments 0.8.0
+    wrote the directory artifacts next to a supplied sink); output_dir=None is the in-memory
+    form; a directory sink in sink= is the run's directory."""
+    monkeypatch.setattr(resolve, "directory_sink_factory", lambda: FakeDirectorySink)
+    FakeDirectorySink.made = []
+    model = small_model()
+    memory = MemorySink()
+    inject_observer(model, sink=memory, sampler=AlwaysSampler())
+    model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    (directory,) = FakeDirectorySink.made
+    assert directory.output_dir == "stats"
+    assert (directory.open_count, directory.close_count) == (1, 1)
+    assert directory.table().num_rows == memory.table().num_rows > 0  # both got every row
+
+    FakeDirectorySink.made = []
+    inject_observer(model, output_dir=None, sink=memory, sampler=AlwaysSampler())
+    remove_observer(model)
+    assert FakeDirectorySink.made == []
+    assert memory.open_count == 2
+
+    own = FakeDirectorySink("runs/a")
+    inject_observer(model, sink=own, sampler=AlwaysSampler())
+    remove_observer(model)
+    assert FakeDirectorySink.made == [own]  # no second, default directory
+    assert own.open_count == 1
+    with pytest.raises(ValueError, match="output_dir= or sink="):
+        inject_observer(model, output_dir="stats", sink=[memory, own])
+    assert not has_observer(model)
+    assert FakeDirectorySink.made == [own]
+
+
+def test_output_dir_none_without_sink_is_refused() -> None:
+    model = small_model()
+    with pytest.raises(ValueError, match="nothing would receive the records"):
+        inject_observer(model, output_dir=None)
+    assert not has_observer(model)
 
 
 def test_copies_are_unobserved_and_still_run() -> None:
     model = small_model()
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     model(torch.randn(1, 3))
     n_rows = sink.table().num_rows
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
@@ -309,7 +371,9 @@ def test_copies_are_unobserved_and_still_run() -> None:
 def test_copy_of_direct_forward_override_runs_the_class_forward() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler(), capture_direct_forwards=True)
+    inject_observer(
+        model, output_dir=None, sink=sink, sampler=AlwaysSampler(), capture_direct_forwards=True
+    )
     model(torch.randn(1, 3))
     assert "forward" in model[0].__dict__  # overrides stay installed while sampling
     clone = copy.deepcopy(model)
@@ -324,7 +388,7 @@ def test_copy_of_direct_forward_override_runs_the_class_forward() -> None:
 def test_memory_sink_table_is_columnar_history() -> None:
     model = small_model()
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         model(torch.randn(2, 3)).sum().backward()
     table = sink.table()
     assert isinstance(table, pa.Table)
@@ -354,7 +418,7 @@ def test_observe_takes_exactly_the_options_of_inject_observer() -> None:
 def test_every_error_policy_name_is_accepted(name: str) -> None:
     assert get_args(ErrorPolicyName) == ("warn", "ignore", "raise")
     sink = MemorySink()
-    with observe(small_model(), sink=sink, error_policy=name):
+    with observe(small_model(), output_dir=None, sink=sink, error_policy=name):
         pass
     assert sink.run is not None
     assert sink.run.settings["error_policy"] == name

@@ -35,7 +35,7 @@ def test_identity_linear_then_inplace_relu() -> None:
     model = nn.Sequential(identity_linear(8), nn.ReLU(inplace=True))
     x = symmetric_inputs(16, 8)
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         out = model(x)
         out.sum().backward()
     table = sink.table()
@@ -56,7 +56,7 @@ def test_identity_linear_then_inplace_relu() -> None:
 def test_rows_carry_identity_and_context() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     run_id = sink.run.run_id if sink.run else ""
     model(torch.randn(5, 3))
     model.eval()
@@ -92,7 +92,7 @@ def test_mode_is_the_module_own_flag() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
     model[1].eval()  # the parent stays in train mode
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         model(torch.randn(4, 2))
     table = sink.table()
     assert {r["mode"] for r in rows(table, layer="0")} == {"train"}
@@ -124,7 +124,7 @@ def test_pytree_tensor_paths_skip_non_tensor_leaves() -> None:
     model = nn.Sequential(TreeOutput())
     sink = MemorySink()
     x = torch.randn(3, 2)
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         model(x)
     table = sink.table()
     assert_history_conforms(table)
@@ -158,7 +158,7 @@ def test_empty_nan_and_inf_tensors_have_reasons() -> None:
     sink = MemorySink()
     model = nn.Sequential(Odd())
     x = torch.randn(4, 3)
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         model(x)
     table = sink.table()
     assert_history_conforms(table)
@@ -197,7 +197,7 @@ class Recursive(nn.Module):
 def test_nested_root_calls_are_one_root_forward() -> None:
     model = Recursive()
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         model(torch.randn(1, 2))
         model(torch.randn(1, 2))
     table = sink.table()
@@ -219,7 +219,9 @@ def test_root_module_selected_and_aliases() -> None:
 
     model = Tied()
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler(), selector=lambda n, m: True):
+    with observe(
+        model, output_dir=None, sink=sink, sampler=AlwaysSampler(), selector=lambda n, m: True
+    ):
         model(torch.randn(3, 2))
     run = sink.run
     assert run is not None
@@ -251,7 +253,9 @@ def test_direct_forward_capture_counts_each_call_once(direct: bool) -> None:
     before = hook_state(model)
     sink = MemorySink()
     x = torch.randn(2, 3)
-    with observe(model, sink=sink, sampler=AlwaysSampler(), capture_direct_forwards=direct):
+    with observe(
+        model, output_dir=None, sink=sink, sampler=AlwaysSampler(), capture_direct_forwards=direct
+    ):
         model(x)
         model(x).sum().backward()
     table = sink.table()
@@ -294,7 +298,9 @@ def test_direct_forward_override_restores_a_user_instance_forward() -> None:
     before = hook_state(model)
     sink = MemorySink()
     x = torch.randn(2, 3)
-    with observe(model, sink=sink, sampler=AlwaysSampler(), capture_direct_forwards=True):
+    with observe(
+        model, output_dir=None, sink=sink, sampler=AlwaysSampler(), capture_direct_forwards=True
+    ):
         during = model(x)
         assert model.child.__dict__["forward"] is not user_forward  # overridden while sampling
     assert model.child.__dict__["forward"] is user_forward
@@ -314,7 +320,7 @@ def test_removal_leaves_no_hook_or_attribute() -> None:
     state_before = {k: v.clone() for k, v in model.state_dict().items()}
     modules_before = list(model.named_modules())
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     assert list(model.state_dict()) == list(state_before)
     assert list(model.named_modules()) == modules_before  # the observer is no submodule
     model(torch.randn(3, 2)).sum().backward()
@@ -343,7 +349,7 @@ def test_exception_in_sampled_forward_leaves_no_state() -> None:
     model = Flaky()
     before = hook_state(model)
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     with pytest.raises(RuntimeError, match="boom in forward"):
         model(torch.randn(1, 2))
     model.fail = False
@@ -373,7 +379,7 @@ def test_same_tensor_through_identity_chain_is_measured_for_every_call() -> None
     )
     sink = MemorySink()
     x = torch.randn(4, 3)
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         out = model(x)
         (out * torch.arange(3.0)).sum().backward()
     table = sink.table()
@@ -395,7 +401,9 @@ def test_tensor_above_2_pow_24_has_exact_quartiles_end_to_end() -> None:
     x[::1000] = 0.0
     sink = MemorySink()
     model = nn.Sequential(nn.Identity())
-    with observe(model, sink=sink, sampler=AlwaysSampler(), max_histogram_modules=0):
+    with observe(
+        model, output_dir=None, sink=sink, sampler=AlwaysSampler(), max_histogram_modules=0
+    ):
         model(x)
     got = stats(sink.table(), layer="0", signal="output")
     a = x.numpy().astype(np.float64)
@@ -421,7 +429,7 @@ def test_keyboard_interrupt_in_a_forward_does_not_stop_sampling() -> None:
     model = Interrupted()
     before = hook_state(model)
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     with pytest.raises(KeyboardInterrupt):
         model(torch.randn(1, 2))
     model.interrupt = False

@@ -36,6 +36,7 @@ from ti_core import (
     MemorySink,
     Reducer,
     RunInfo,
+    SinkCapabilities,
     TelemetryWarning,
     default_reducers,
     inject_observer,
@@ -221,7 +222,7 @@ class ThreadRecordingSink(MemorySink):
 def recording(model: nn.Module, **options: Any) -> tuple[ThreadRecordingSink, Observer]:
     """inject_observer with AlwaysSampler and a ThreadRecordingSink watching the observer."""
     sink = ThreadRecordingSink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler(), **options)
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler(), **options)
     observer = attached(model)
     sink.watch(observer)
     return sink, observer
@@ -277,7 +278,7 @@ class GatedSink(MemorySink):
 
 
 class PlainSink:
-    """A user sink with the Sink protocol only (no ``accepts_background_writes``)."""
+    """A user sink with the Sink protocol only (no ``capabilities()`` declaration)."""
 
     def __init__(self) -> None:
         self.threads: set[int] = set()
@@ -300,7 +301,8 @@ class PlainSink:
 class BrokenBackgroundSink:
     """Declares thread-safe writes, then fails every history write."""
 
-    accepts_background_writes = True
+    def capabilities(self) -> SinkCapabilities:
+        return SinkCapabilities(background_writes=True)
 
     def __init__(self) -> None:
         self.failed_on: set[int] = set()
@@ -376,7 +378,7 @@ def test_reads_wait_for_queued_signals_whatever_the_scheduling() -> None:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = GatedSink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     observer = attached(model)
     try:
         for step, (x, y) in enumerate(batches(4)):
@@ -400,7 +402,7 @@ def test_observer_drain_waits_for_every_ended_signal() -> None:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = GatedSink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     observer = attached(model)
     try:
         x, y = batches(1)[0]
@@ -509,7 +511,7 @@ def test_a_sink_without_background_writes_is_written_on_the_training_thread() ->
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     memory, plain = MemorySink(), PlainSink()
-    inject_observer(model, sink=[memory, plain], sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=[memory, plain], sampler=AlwaysSampler())
     observer = attached(model)
     for x, y in batches(3):
         train_step(model, optimizer, x, y)
@@ -559,7 +561,7 @@ def test_worker_failures_warn_once_on_the_training_thread() -> None:
     main = threading.get_ident()
     data = batches(5)
     with telemetry_warnings() as shown:
-        inject_observer(model, sink=[broken, good], sampler=AlwaysSampler())
+        inject_observer(model, output_dir=None, sink=[broken, good], sampler=AlwaysSampler())
         observer = attached(model)
         train_step(model, optimizer, *data[0])
         good.table()  # the barrier: step 0's failed writes have happened, on the worker
@@ -589,7 +591,9 @@ def test_worker_failure_is_reported_at_removal() -> None:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     with telemetry_warnings() as shown:
-        inject_observer(model, sink=BrokenBackgroundSink(), sampler=AlwaysSampler())
+        inject_observer(
+            model, output_dir=None, sink=BrokenBackgroundSink(), sampler=AlwaysSampler()
+        )
         train_step(model, optimizer, *batches(1)[0])
         remove_observer(model)
     assert [(("disk full" in m), t) for m, t in shown] == [(True, threading.get_ident())]
@@ -656,7 +660,7 @@ def test_forwards_without_backward_leave_nothing_after_drain() -> None:
 
 def test_outputs_are_freed_by_reference_counting_with_the_worker_on() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
-    inject_observer(model, sink=MemorySink(), sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=AlwaysSampler())
     baseline = _live(GradientState)
     refs = []
     for _ in range(20):
@@ -914,7 +918,7 @@ def test_a_dropped_observer_leaves_no_thread(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_copies_of_an_observed_model_have_no_worker() -> None:
     model = make_model()
-    inject_observer(model, sink=MemorySink(), sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=AlwaysSampler())
     try:
         model(torch.randn(2, 12)).sum().backward()
         clone = copy.deepcopy(model)
@@ -928,7 +932,7 @@ def test_a_full_queue_holds_training_in_backward_and_loses_nothing() -> None:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = GatedSink()  # the worker waits in its first write: nothing leaves the queue
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     observer = attached(model)
     main = threading.current_thread()
     past_backward = threading.Event()

@@ -38,7 +38,7 @@ def test_warn_keeps_other_metrics_and_records_the_reason() -> None:
     sink = MemorySink()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        with observe(model, sink=sink, sampler=AlwaysSampler(), reducers=REDUCERS):
+        with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler(), reducers=REDUCERS):
             for _ in range(3):
                 model(torch.randn(2, 3)).sum().backward()
     assert any("reducer exploded" in str(w.message) for w in record)
@@ -61,7 +61,12 @@ def test_ignore_is_silent() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with observe(
-            model, sink=sink, sampler=AlwaysSampler(), reducers=REDUCERS, error_policy="ignore"
+            model,
+            output_dir=None,
+            sink=sink,
+            sampler=AlwaysSampler(),
+            reducers=REDUCERS,
+            error_policy="ignore",
         ):
             model(torch.randn(2, 3)).sum().backward()
     assert rows(sink.table(), metric="boom")
@@ -70,7 +75,12 @@ def test_ignore_is_silent() -> None:
 def test_raise_propagates_from_forward_and_backward() -> None:
     model = nn.Sequential(nn.Linear(3, 3))
     inject_observer(
-        model, sink=MemorySink(), sampler=AlwaysSampler(), reducers=REDUCERS, error_policy="raise"
+        model,
+        output_dir=None,
+        sink=MemorySink(),
+        sampler=AlwaysSampler(),
+        reducers=REDUCERS,
+        error_policy="raise",
     )
     with pytest.raises(ArithmeticError, match="reducer exploded"):
         model(torch.randn(2, 3))
@@ -89,7 +99,7 @@ def test_failing_sink_does_not_stop_training_or_other_sinks() -> None:
     good, broken = MemorySink(), BrokenSink()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        with observe(model, sink=[broken, good], sampler=AlwaysSampler()):
+        with observe(model, output_dir=None, sink=[broken, good], sampler=AlwaysSampler()):
             for _ in range(2):
                 model(torch.randn(2, 3)).sum().backward()
     telemetry = [w for w in record if issubclass(w.category, TelemetryWarning)]
@@ -102,7 +112,9 @@ def test_failing_sink_does_not_stop_training_or_other_sinks() -> None:
 
 def test_failing_sink_under_raise() -> None:
     model = nn.Sequential(nn.Linear(3, 3))
-    inject_observer(model, sink=BrokenSink(), sampler=AlwaysSampler(), error_policy="raise")
+    inject_observer(
+        model, output_dir=None, sink=BrokenSink(), sampler=AlwaysSampler(), error_policy="raise"
+    )
     with pytest.raises(OSError, match="disk full"):
         model(torch.randn(2, 3))
     remove_observer(model)
@@ -118,7 +130,9 @@ class GradientSinkFailure(MemorySink):
 def test_raise_propagates_from_backward() -> None:
     model = nn.Sequential(nn.Linear(3, 3))
     sink = GradientSinkFailure()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler(), error_policy="raise")
+    inject_observer(
+        model, output_dir=None, sink=sink, sampler=AlwaysSampler(), error_policy="raise"
+    )
     out = model(torch.randn(2, 3))
     with pytest.raises(OSError, match="gradient write failed"):
         out.sum().backward()

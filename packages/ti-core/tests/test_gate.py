@@ -1,5 +1,5 @@
 """The gate's documented states on a real model, the public accessor, and the one place that
-reads sink capabilities."""
+reads sink capabilities (ti-schema's declarations)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from ti_core import (
     EveryNForwardsSampler,
     MemorySink,
     RunInfo,
+    SinkCapabilities,
     has_observer,
     inject_observer,
     observer_of,
     remove_observer,
 )
-from ti_core.emission.sinks import sink_capabilities
+from ti_core.emission.sinks import read_capabilities
 from ti_core.gate import GateState
 
 
@@ -35,7 +36,7 @@ def _hook_counts(model: nn.Module) -> tuple[int, int]:
 def test_state_follows_sampled_and_unsampled_root_forwards() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     assert observer_of(model) is None
-    inject_observer(model, sink=MemorySink(), sampler=EveryNForwardsSampler(2))
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=EveryNForwardsSampler(2))
     observer = observer_of(model)
     assert observer is not None
     assert has_observer(model)
@@ -79,7 +80,7 @@ def test_state_changes_at_the_root_boundary_before_the_forward_body() -> None:
             return self.inner(x)
 
     model = Root()
-    inject_observer(model, sink=MemorySink(), sampler=EveryNForwardsSampler(2))
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=EveryNForwardsSampler(2))
     try:
         for _ in range(3):
             model(torch.randn(1, 3))
@@ -94,7 +95,7 @@ def test_state_changes_at_the_root_boundary_before_the_forward_body() -> None:
 
 def test_copies_have_no_observer() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
-    inject_observer(model, sink=MemorySink(), sampler=EveryNForwardsSampler(1))
+    inject_observer(model, output_dir=None, sink=MemorySink(), sampler=EveryNForwardsSampler(1))
     try:
         clone = copy.deepcopy(model)
         assert observer_of(clone) is None
@@ -115,27 +116,32 @@ class _PlainSink:
 
 
 class _DeclaringSink(_PlainSink):
-    accepts_background_writes = True
-
     def __init__(self) -> None:
         self.barriers: list[Callable[[], None]] = []
         self.writers: list[threading.Thread] = []
 
-    def attach_barrier(self, barrier: Callable[[], None]) -> None:
-        self.barriers.append(barrier)
+    def capabilities(self) -> SinkCapabilities:
+        return SinkCapabilities(background_writes=True, on_barrier=self.barriers.append)
 
     def write_history(self, batch: pa.RecordBatch) -> None:
         self.writers.append(threading.current_thread())
 
 
-def test_sink_capabilities_reads_both_declarations() -> None:
-    plain = sink_capabilities(_PlainSink())
-    assert plain.background_writes is False
-    assert plain.attach_barrier is None
+class _UndeclaredSink(_PlainSink):
+    """The 0.1 attribute spelling, no ``capabilities()``: nothing is probed, so a plain sink."""
+
+    accepts_background_writes = True
+
+    def attach_barrier(self, barrier: Callable[[], None]) -> None:
+        raise AssertionError("attach_barrier is not probed")
+
+
+def test_read_capabilities_reads_each_declaration_and_probes_nothing() -> None:
     declaring = _DeclaringSink()
-    caps = sink_capabilities(declaring)
-    assert caps.background_writes is True
-    assert caps.attach_barrier == declaring.attach_barrier
+    plain, undeclared, declared = read_capabilities([_PlainSink(), _UndeclaredSink(), declaring])
+    assert plain == undeclared == SinkCapabilities()
+    assert declared.background_writes is True
+    assert declared.on_barrier == declaring.barriers.append
 
 
 @pytest.mark.parametrize("background", [True, False])
@@ -145,7 +151,7 @@ def test_the_worker_is_used_only_when_every_sink_declares_background_writes(
     declaring = _DeclaringSink()
     sinks = [declaring] if background else [declaring, _PlainSink()]
     model = nn.Sequential(nn.Linear(2, 2))
-    inject_observer(model, sink=sinks, sampler=EveryNForwardsSampler(1))
+    inject_observer(model, output_dir=None, sink=sinks, sampler=EveryNForwardsSampler(1))
     try:
         model(torch.randn(1, 2)).sum().backward()
         # the barrier goes to a declaring sink only when writes may be deferred

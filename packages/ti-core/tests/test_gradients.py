@@ -48,7 +48,7 @@ def test_shared_module_calls_have_their_own_gradients() -> None:
     keep: list[torch.Tensor] = []
     (Shared.forward(copy.deepcopy(model), x, keep) * weights).sum().backward()
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         (model(x) * weights).sum().backward()
     table = sink.table()
     assert_history_conforms(table)
@@ -66,7 +66,7 @@ def test_outstanding_forwards_backpropagated_in_reverse_order() -> None:
     x1 = torch.randn(5, 4, dtype=torch.float64)
     x2 = torch.randn(5, 4, dtype=torch.float64)
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         y1 = model(x1)
         y2 = model(x2)
         (3.0 * y2.sum()).backward()
@@ -96,7 +96,7 @@ def test_gradients_inherit_the_forward_context() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     model.eval()
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         out = model(torch.randn(3, 2))
         model.train()
         out.sum().backward()
@@ -121,7 +121,7 @@ def test_detached_branch_has_output_rows_but_no_gradient_rows() -> None:
     sink = MemorySink()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with observe(model, sink=sink, sampler=AlwaysSampler()):
+        with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
             main, _side = model(torch.randn(2, 3))
             main.sum().backward()
     table = sink.table()
@@ -134,7 +134,7 @@ def test_first_backward_per_tensor_is_recorded() -> None:
     model = nn.Sequential(nn.Linear(2, 2, dtype=torch.float64))
     x = torch.randn(4, 2, dtype=torch.float64)
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         out = model(x)
         out.sum().backward(retain_graph=True)
         (5.0 * out.sum()).backward(retain_graph=True)
@@ -151,7 +151,7 @@ def test_integer_outputs_have_no_gradient_rows() -> None:
 
     model = nn.Sequential(nn.Linear(3, 3), Argmax())
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         values, _index = model(torch.randn(4, 3))
         values.sum().backward()
     table = sink.table()
@@ -168,7 +168,7 @@ def _live_gradient_states() -> int:
 def test_forward_without_backward_leaks_nothing() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     baseline = _live_gradient_states()
     refs = []
     for _ in range(20):
@@ -212,7 +212,7 @@ class Checkpointed(nn.Module):
 
 def _run(model: nn.Module, x: torch.Tensor) -> list[dict[str, object]]:
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         for _ in range(2):
             model(x).pow(2).sum().backward()
     table = sink.table()
@@ -279,7 +279,7 @@ def test_leaf_output_records_a_gradient_gap() -> None:
     model = nn.Sequential(nn.Identity(), nn.Linear(2, 2))
     x = torch.randn(3, 2, requires_grad=True)
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=AlwaysSampler()):
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
         model(x).sum().backward()
     table = sink.table()
     assert_history_conforms(table)

@@ -261,7 +261,7 @@ def test_observed_histograms_are_the_same_under_inference_mode() -> None:
     for mode in (torch.no_grad, torch.inference_mode):
         model = nn.Sequential(nn.Identity())
         sink = MemorySink()
-        inject_observer(model, sink=sink, sampler=AlwaysSampler())
+        inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
         with mode():
             model(x)
         remove_observer(model)

@@ -174,7 +174,7 @@ def test_end_to_end_rows_match_numpy(
     tensors = [make(gen, d, s, p) for d, s, p in specs]
     model = nn.Sequential(Emit())
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     try:
         model(tensors)
     finally:

@@ -58,7 +58,9 @@ def test_observer_counts_root_forwards_with_an_injected_clock() -> None:
     clock = FakeClock()
     model = nn.Sequential(nn.Linear(2, 2))
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=TimedSampler(timedelta(minutes=1), clock=clock))
+    inject_observer(
+        model, output_dir=None, sink=sink, sampler=TimedSampler(timedelta(minutes=1), clock=clock)
+    )
     for step in range(10):
         clock.now = 1000.0 + 25.0 * step  # 0, 25, 50, 75 (sampled), ..., 125 (sampled), ...
         model(torch.randn(1, 2))
@@ -70,14 +72,14 @@ def test_observer_counts_root_forwards_with_an_injected_clock() -> None:
 def test_default_interval_is_a_minute_and_interval_configures_it() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     sink = MemorySink()
-    with observe(model, sink=sink):
+    with observe(model, output_dir=None, sink=sink):
         for _ in range(5):
             model(torch.randn(1, 2))
     assert sink.run is not None
     assert sink.run.sampler == "TimedSampler(interval=60s)"
     assert {r["forward_index"] for r in rows(sink.table())} == {0}
     sink2 = MemorySink()
-    with observe(model, sink=sink2, interval=timedelta(hours=2)):
+    with observe(model, output_dir=None, sink=sink2, interval=timedelta(hours=2)):
         model(torch.randn(1, 2))
     assert sink2.run is not None
     assert sink2.run.sampler == "TimedSampler(interval=7200s)"
@@ -87,7 +89,7 @@ def test_default_interval_is_a_minute_and_interval_configures_it() -> None:
 def test_every_n_forwards_in_the_observer(n: int) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
     sink = MemorySink()
-    with observe(model, sink=sink, sampler=EveryNForwardsSampler(n)):
+    with observe(model, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(n)):
         for _ in range(9):
             model(torch.randn(1, 2)).sum().backward()
     table = sink.table()
@@ -105,7 +107,7 @@ def test_unsampled_forwards_install_no_module_hooks() -> None:
     clock = FakeClock()
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=TimedSampler(60, clock=clock))
+    inject_observer(model, output_dir=None, sink=sink, sampler=TimedSampler(60, clock=clock))
     model(torch.randn(1, 2))  # sampled
     clock.now += 1
     model(torch.randn(1, 2))  # unsampled: module capture is removed at its root boundary

@@ -67,7 +67,7 @@ def test_training_is_bit_identical_with_and_without_observer() -> None:
     expected = train(plain, steps=6)
 
     sink = MemorySink()
-    inject_observer(observed, sink=sink, sampler=EveryNForwardsSampler(2))
+    inject_observer(observed, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(2))
     assert list(observed.state_dict()) == keys_before
     got = train(observed, steps=6)
     remove_observer(observed)
@@ -97,7 +97,7 @@ def test_training_is_bit_identical_with_and_without_observer() -> None:
 def test_threads_keep_their_own_samples() -> None:
     model = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Tanh())
     sink = MemorySink()
-    inject_observer(model, sink=sink, sampler=AlwaysSampler())
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
     inputs = {i: torch.full((2, 4), float(i + 1), dtype=torch.float64) / 10 for i in range(4)}
     scales = {i: float(i + 1) for i in range(4)}
     barrier = threading.Barrier(4)
@@ -155,12 +155,12 @@ def test_torch_compile_before_or_after_injection_records_eager_statistics() -> N
         sink = MemorySink()
         if compile_first is None:
             target: nn.Module = model
-            inject_observer(target, sink=sink, sampler=EveryNForwardsSampler(2))
+            inject_observer(target, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(2))
         elif compile_first:
             target = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
-            inject_observer(target, sink=sink, sampler=EveryNForwardsSampler(2))
+            inject_observer(target, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(2))
         else:
-            inject_observer(model, sink=sink, sampler=EveryNForwardsSampler(2))
+            inject_observer(model, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(2))
             target = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
         for _ in range(4):
             target(x).sum().backward()
@@ -177,4 +177,42 @@ def test_torch_compile_before_or_after_injection_records_eager_statistics() -> N
             [np.nan if r[5] is None else r[5] for r in eager],
             rtol=1e-5,
             atol=1e-7,
+        )
+
+
+@pytest.mark.slow
+def test_data_parallel_wrappers_report_the_bare_models_names_and_values() -> None:
+    """``DataParallel`` (which runs the module itself on a CPU-only machine), alone and nested
+    with ``torch.compile`` either way: the layers are named as in the bare model's
+    ``named_modules()`` (no ``module.`` or ``_orig_mod.`` prefix) and measure the same values.
+    DistributedDataParallel and FSDP2 are shown with real processes in tests/test_dist_e2e.py."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    wrappers: dict[str, Any] = {
+        "bare": lambda m: m,
+        "DataParallel": nn.DataParallel,
+        "DataParallel(compile)": lambda m: nn.DataParallel(torch.compile(m, backend="eager")),
+        "compile(DataParallel)": lambda m: torch.compile(nn.DataParallel(m), backend="eager"),
+    }
+    signatures = {}
+    for name, wrap in wrappers.items():
+        model = copy.deepcopy(base)
+        wrapped = wrap(model)
+        sink = MemorySink()
+        inject_observer(wrapped, output_dir=None, sink=sink, sampler=AlwaysSampler())
+        for _ in range(2):
+            wrapped(x).sum().backward()
+        remove_observer(wrapped)
+        assert [layer.name for layer in sink.runs[0].layers] == ["0", "1", "2"], name
+        signatures[name] = _signature(sink)
+    bare = signatures.pop("bare")
+    assert {r[1] for r in bare} == {"0", "1", "2"}
+    for name, got in signatures.items():
+        assert [r[:5] for r in got] == [r[:5] for r in bare], name
+        np.testing.assert_allclose(
+            [np.nan if r[5] is None else r[5] for r in got],
+            [np.nan if r[5] is None else r[5] for r in bare],
+            rtol=1e-6,
+            err_msg=name,
         )

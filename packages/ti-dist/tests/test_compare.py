@@ -139,6 +139,8 @@ def test_several_runs_of_one_rank_are_refused(rows_for: Rows) -> None:
         ({"rtol": math.nan}, ValueError, "rtol must be"),
         ({"layer": []}, TypeError, "layer must be a string or a non-empty sequence"),
         ({"metric": [1]}, TypeError, "metric must be"),
+        ({"signal": "gradient"}, ValueError, r"signal must be one of .*\['gradient'\]"),
+        ({"signal": ["output", "grad"]}, ValueError, r"signal must be one of .*\['grad'\]"),
     ],
 )
 def test_bad_arguments(

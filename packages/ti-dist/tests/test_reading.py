@@ -12,6 +12,7 @@ import pyarrow as pa
 import pytest
 
 from ti_dist import collect_streaming, find_history_sources, scan_ranks
+from ti_schema.layout import part_name
 
 Write = Callable[..., pa.Table]
 Rows = Callable[..., list[dict[str, object]]]
@@ -20,15 +21,15 @@ Rows = Callable[..., list[dict[str, object]]]
 def test_final_files_and_live_parts_together(tmp_path: Path, write: Write, rows_for: Rows) -> None:
     write(tmp_path / "rank-000" / "history.parquet", rows_for(0, [1.0, 2.0, 3.0]))
     # A rank killed before consolidation: only completed parts, plus an in-flight temporary.
-    write(tmp_path / "rank-001" / "history.parts" / "part-00000.parquet", rows_for(1, [4.0]))
+    write(tmp_path / "rank-001" / "history.parts" / part_name(0), rows_for(1, [4.0]))
     write(
-        tmp_path / "rank-001" / "history.parts" / "part-00001.parquet",
+        tmp_path / "rank-001" / "history.parts" / part_name(1),
         rows_for(1, [5.0], first_sample=1),
     )
-    write(tmp_path / "rank-001" / "history.parts" / ".part-00002.parquet.tmp", rows_for(1, [9.0]))
-    write(tmp_path / "rank-001" / "history.parts" / ".part-00003.parquet", rows_for(1, [9.0]))
+    write(tmp_path / "rank-001" / "history.parts" / ".part-000002.parquet.tmp", rows_for(1, [9.0]))
+    write(tmp_path / "rank-001" / "history.parts" / ".part-000003.parquet", rows_for(1, [9.0]))
     # Parts left next to a final file are not read twice.
-    write(tmp_path / "rank-000" / "history.parts" / "part-00000.parquet", rows_for(0, [9.0]))
+    write(tmp_path / "rank-000" / "history.parts" / part_name(0), rows_for(0, [9.0]))
     (tmp_path / "rank-002").mkdir()  # a rank that wrote nothing yet
     (tmp_path / "rank-x").mkdir()
     (tmp_path / "notes-rank-003").mkdir()
@@ -73,8 +74,27 @@ def test_plain_single_directory_run(tmp_path: Path, write: Write, rows_for: Rows
 
 
 def test_plain_live_run_reads_parts(tmp_path: Path, write: Write, rows_for: Rows) -> None:
-    write(tmp_path / "history.parts" / "a.parquet", rows_for(0, [7.0]))
+    write(tmp_path / "history.parts" / part_name(0), rows_for(0, [7.0]))
     assert scan_ranks(tmp_path).collect()["value"].to_list() == [7.0]
+
+
+def test_parts_are_read_in_part_order_and_only_parts(
+    tmp_path: Path, write: Write, rows_for: Rows
+) -> None:
+    # The layout of ti_schema.layout: part numbers, not names, order the parts (a run past a
+    # million parts has 7-digit names); other Parquet files in the folder are not parts.
+    parts = tmp_path / "rank-003" / "history.parts"
+    for index in (1_000_000, 2, 999_999):
+        write(parts / part_name(index), rows_for(3, [float(index)]))
+    write(parts / "notes.parquet", rows_for(3, [-1.0]))
+    write(parts / "part-7.parquet", rows_for(3, [-2.0]))
+    (source,) = find_history_sources(tmp_path)
+    assert [p.name for p in source.files] == [
+        "part-000002.parquet",
+        "part-999999.parquet",
+        "part-1000000.parquet",
+    ]
+    assert scan_ranks(tmp_path).collect()["value"].to_list() == [2.0, 999_999.0, 1_000_000.0]
 
 
 def test_root_run_next_to_rank_dirs(tmp_path: Path, write: Write, rows_for: Rows) -> None:

@@ -45,3 +45,28 @@ def test_lightning_digits_reaches_its_accuracy_with_valid_artifacts(tmp_path: Pa
     assert "train_loss" in events.Tags()[SCALARS]
     histogram_tags = events.Tags()[HISTOGRAMS]
     assert any("net.0" in tag for tag in histogram_tags), histogram_tags
+
+
+@pytest.mark.slow
+def test_the_seed_lightning_pattern_writes_the_directory_and_the_logger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``inject_observer(model, sink=TensorBoardSink(logger))``, as torchinstruments 0.8.0's
+    Lightning example attached: the supplied sink adds to the directory default, so a real
+    Trainer run leaves ``stats/`` (valid artifacts) and histograms in Lightning's logger."""
+    monkeypatch.chdir(tmp_path)
+    result = run_lightning_digits(tmp_path, epochs=1, sample_every=5, default_stats_dir=True)
+    assert result.stats_dir == tmp_path / "stats"
+    assert_artifact_dir_conforms(result.stats_dir)
+    history = pl.read_parquet(result.stats_dir / "history.parquet")
+    assert set(history["layer"].unique()) == {"net.0", "net.1", "net.2"}
+    assert set(history["signal"].unique()) == {"output", "output_gradient"}
+    events = EventAccumulator(str(result.logger_dir), size_guidance={HISTOGRAMS: 0, SCALARS: 0})
+    events.Reload()
+    assert "train_loss" in events.Tags()[SCALARS]
+    logger_tags = set(events.Tags()[HISTOGRAMS])
+    own = EventAccumulator(str(result.stats_dir / "tensorboard"), size_guidance={HISTOGRAMS: 0})
+    own.Reload()
+    # the same histograms, in the logger and in the run directory's own events
+    assert logger_tags == set(own.Tags()[HISTOGRAMS])
+    assert "net.0/call0/output" in logger_tags

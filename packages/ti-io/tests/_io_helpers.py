@@ -1,4 +1,4 @@
-"""Synthetic runs for sink-level tests: RunInfo and batches built against ti-schema."""
+"""Synthetic runs for sink-level tests: RunInfo and batches built against ti-schema (no torch)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ti_core.sink import LayerInfo, RunInfo
-from ti_schema import DEFAULT_METRICS, histogram_schema, history_schema
+from ti_schema import DEFAULT_METRICS, LayerInfo, RunInfo, histogram_schema, history_schema
 
 PRODUCER = "ti-io tests"
 START = datetime(2026, 1, 1, tzinfo=UTC)

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _io_helpers import Synth, make_run
 
-from ti_core.sink import RunInfo
+from ti_schema import RunInfo
 
 
 @pytest.fixture

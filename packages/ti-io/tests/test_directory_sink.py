@@ -22,6 +22,7 @@ from ti_io import ArtifactWriteError, DirectorySink, HistoryConfig, scan_history
 from ti_schema import (
     DEFAULT_METRICS,
     SCHEMA_VERSION,
+    parse_metadata,
     validate_histograms,
     validate_history,
     validate_result_json,
@@ -65,6 +66,7 @@ def test_artifacts_have_exact_rows_and_conform(tmp_path: Path, synth: Callable[.
         "schema": "ti.history",
         "schema_version": SCHEMA_VERSION,
         "producer": "ti-io tests",
+        "window": 3,  # the run fact of contract 1.1: result.json's window
     }
     # Dictionary-encoded input batches are stored as plain strings, identical to the input.
     expected = pa.concat_tables(
@@ -127,9 +129,10 @@ def _reference(values: list[float | None], window: int) -> dict[str, Any]:
         "p50": np.percentile(observed, 50),
         "p75": np.percentile(observed, 75),
         "max": observed.max(),
-        "recent_window_mean": observed[-window:].mean() if len(observed) >= window else None,
-        "previous_window_mean": observed[-2 * window : -window].mean()
-        if len(observed) >= 2 * window
+        # partial windows: the last min(n, window) values, and the up to `window` before them
+        "recent_window_mean": observed[-window:].mean(),
+        "previous_window_mean": observed[max(0, len(observed) - 2 * window) : -window].mean()
+        if len(observed) > window
         else None,
     }
     return ref
@@ -187,10 +190,46 @@ def test_null_aggregates_carry_reasons(tmp_path: Path, synth: Callable[..., Synt
     assert stats["unavailable"] == 5
     assert stats["mean"] is None
     assert stats["unavailable_reason"] == "all 5 samples unavailable: empty tensor (numel=0)"
-    short = records[0]["tensors"][0]["statistics"]["mean"]  # 5 observations, window 3
-    assert short["recent_window_mean"] is not None
-    assert short["previous_window_mean"] is None
-    assert "previous_window_mean needs 6 observations" in short["unavailable_reason"]
+    partial = records[0]["tensors"][0]["statistics"]["mean"]  # 5 observations, window 3
+    assert partial["recent_window_mean"] is not None
+    assert partial["previous_window_mean"] is not None  # the 2 observations before the last 3
+    assert partial["unavailable_reason"] is None
+
+
+def test_short_histories_get_partial_window_means(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    """25 observations, window 20 (the default): the last 20 and the 5 before them; a history
+    no longer than the window has a recent mean and an explained null previous mean."""
+    s = synth(seed=3)
+    for samples, out in ((25, tmp_path / "long"), (6, tmp_path / "short")):
+        sink = DirectorySink(out)
+        sink.open(s.run)
+        for sample in range(samples):
+            sink.write_history(s.history(sample))
+        sink.close()
+    history = pl.read_parquet(tmp_path / "long" / "history.parquet")
+    values = (
+        history.filter(
+            (pl.col("layer") == s.run.layers[0].name)
+            & (pl.col("signal") == "output")
+            & (pl.col("metric") == "mean")
+        )
+        .sort("sample_id")
+        .get_column("value")
+        .to_numpy()
+    )
+    stats = load_strict_json(tmp_path / "long" / "result.json")[0]["tensors"][0]["statistics"]
+    assert stats["mean"]["recent_window_mean"] == pytest.approx(values[5:].mean(), rel=1e-12)
+    assert stats["mean"]["previous_window_mean"] == pytest.approx(values[:5].mean(), rel=1e-12)
+    short = load_strict_json(tmp_path / "short" / "result.json")[0]["tensors"][0]["statistics"]
+    assert short["mean"]["recent_window_mean"] is not None
+    assert short["mean"]["previous_window_mean"] is None
+    assert short["mean"]["unavailable_reason"] == (
+        "previous_window_mean has no observations: all 6 are in the recent window of 20"
+    )
+    footer = pq.read_metadata(tmp_path / "short" / "history.parquet").metadata
+    assert parse_metadata(footer)["window"] == 20  # the run's window is in its facts
 
 
 def test_nan_values_never_reach_json(tmp_path: Path, synth: Callable[..., Synth]) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from _io_helpers import Synth, make_run
 
@@ -19,8 +20,9 @@ from ti_io import (
     consolidate,
     scan_history,
 )
-from ti_io.cli import main
-from ti_schema import DEFAULT_METRICS, validate_result_json
+from ti_io.cli import _summary_frame, main
+from ti_schema import DEFAULT_METRICS, polars_write_options, validate_result_json
+from ti_schema.layout import rank_dir_name
 from ti_schema.testing import load_strict_json
 
 
@@ -106,6 +108,27 @@ def test_cli_validate_summary_consolidate(
     report = capsys.readouterr().out
     assert "result.json: not strict JSON" in report
     assert "'extra'" in report
+
+
+def test_cli_validate_reads_footers_and_checks_rank_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for rank in (0, 1):  # the synthetic rows all say rank 0
+        run = make_run(rank_subdir=rank_dir_name(rank))
+        s = Synth(run)
+        sink = DirectorySink(tmp_path)
+        sink.open(run)
+        sink.write_history(s.history(0))
+        sink.close()
+    # Rewritten by Polars as the contract says (polars_write_options): `ti` only in the footer.
+    history = tmp_path / "rank-000" / "history.parquet"
+    schema = pq.read_schema(history)
+    pl.read_parquet(history).write_parquet(history, **polars_write_options(schema))
+    assert b"ti" not in (pq.read_table(history).schema.metadata or {})
+    assert main(["validate", str(tmp_path)]) == 1
+    report = capsys.readouterr().out
+    assert report.splitlines()[0] == f"{tmp_path}: 1 problem(s)"
+    assert "rank-001/history.parquet: sits in rank-001/ but holds rank values [0]" in report
 
 
 def test_cli_escapes_names_in_the_terminal(
@@ -252,3 +275,33 @@ def test_cli_summary_of_a_finalized_run_lists_metrics_in_contract_order(
     cells = [c.strip() for line in body.splitlines() for c in line.split("┆")]
     first_tensor = [c for c in cells if c in DEFAULT_METRICS][: len(DEFAULT_METRICS)]
     assert first_tensor == list(DEFAULT_METRICS)
+
+
+def test_cli_summary_uses_the_window_the_run_was_written_with(
+    tmp_path: Path, synth: Callable[..., Synth], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's window (2) holds live (run.json) and after finalization (the history footer),
+    and 7 observations give a recent window mean, not a null for lack of 20."""
+    s = synth(seed=5)
+    _interrupted(tmp_path, s, samples=7)  # HistoryConfig(window=2)
+    values = (
+        scan_history(tmp_path)
+        .filter(
+            (pl.col("layer") == s.run.layers[0].name)
+            & (pl.col("signal") == "output")
+            & (pl.col("metric") == "std")
+        )
+        .sort("sample_id")
+        .collect()
+        .get_column("value")
+        .to_numpy()
+    )
+    for state in ("live", "finalized"):
+        if state == "finalized":
+            assert main(["consolidate", str(tmp_path)]) == 0
+            assert not (tmp_path / "history.parts").exists()
+        table = _summary_frame(tmp_path, ["std"], ["output"])
+        recent = table.filter(pl.col("layer") == s.run.layers[0].name).item(0, "recent_window_mean")
+        assert recent == pytest.approx(values[-2:].mean(), rel=1e-12), state
+        assert main(["summary", str(tmp_path), "--metric", "std"]) == 0
+        assert "window 2" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""TensorBoard: tags for arbitrary names, our event files, and caller-owned writers."""
+"""TensorBoard: tags for arbitrary names and our event files (caller-owned writers, which need
+torch, are tested in tests/test_io_tensorboard_writers.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from urllib.parse import unquote
 import pytest
 from _io_helpers import Synth, make_run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.utils.tensorboard import SummaryWriter
 
 from ti_io import DirectorySink, TensorBoardSink, histogram_tag
 from ti_io.tags import ROOT_TAG, escape_tag_part
@@ -66,43 +66,6 @@ def test_directory_events_hold_exactly_the_focus_histograms(
     assert events[0].histogram_value.min == first["min"]
     assert events[0].histogram_value.num == first["num"]
     assert list(events[0].histogram_value.bucket) == first["bucket_counts"]
-
-
-def test_caller_summary_writer_is_flushed_not_closed(
-    tmp_path: Path, synth: Callable[..., Synth]
-) -> None:
-    s = synth()
-    writer = SummaryWriter(str(tmp_path / "tb"))
-    sink = TensorBoardSink(writer)
-    sink.open(s.run)
-    sink.write_history(s.history(0))  # ignored: scalars stay in Parquet
-    sink.write_histograms(s.histograms(0))
-    sink.close()
-    writer.add_scalar("after/removal", 3.5, global_step=7)  # still usable
-    writer.flush()
-    acc = _load(tmp_path / "tb")
-    assert set(acc.Tags()["histograms"]) == {
-        histogram_tag(layer, 0, signal, "")
-        for layer in s.run.focus_layers
-        for signal in ("output", "output_gradient")
-    }
-    assert [(e.step, e.value) for e in acc.Scalars("after/removal")] == [(7, 3.5)]
-    writer.close()
-
-
-def test_lightning_logger_experiment_is_used(tmp_path: Path, synth: Callable[..., Synth]) -> None:
-    loggers = pytest.importorskip("lightning.pytorch.loggers")
-    logger = loggers.TensorBoardLogger(str(tmp_path), name="lt", version=0)
-    s = synth()
-    sink = TensorBoardSink(logger)
-    sink.open(s.run)
-    sink.write_histograms(s.histograms(3))
-    sink.close()
-    logger.experiment.add_scalar("still/open", 1.0, 0)
-    logger.experiment.flush()
-    acc = _load(Path(logger.log_dir))
-    assert len(acc.Tags()["histograms"]) == 2 * len(s.run.focus_layers)
-    assert acc.Scalars("still/open")[0].value == 1.0
 
 
 def test_tensorboard_sink_rejects_other_objects() -> None:

@@ -29,8 +29,9 @@ def at_version(table: pa.Table, version: str) -> pa.Table:
 
 
 def test_schema_version_is_parsable_and_known() -> None:
-    assert parse_version(SCHEMA_VERSION) == (1, 0)
-    assert ti_schema.KNOWN_VERSIONS == {"ti.history": ("1.0",), "ti.histograms": ("1.0",)}
+    assert parse_version(SCHEMA_VERSION) == (1, 1)
+    assert ti_schema.KNOWN_VERSIONS["ti.history"] == ("1.0", "1.1")
+    assert ti_schema.KNOWN_VERSIONS["ti.histograms"] == ("1.0", "1.1")
 
 
 @pytest.mark.parametrize("bad", ["1", "1.0.0", "01.0", "1.x", " 1.0", "", 1.0])
@@ -41,7 +42,7 @@ def test_parse_version_refuses_anything_but_major_minor(bad: Any) -> None:
 
 def test_parse_metadata_reads_every_carrier() -> None:
     table = example_history_table(producer="acme-sink 3.1")
-    expected = {"schema": "ti.history", "schema_version": "1.0", "producer": "acme-sink 3.1"}
+    expected = {"schema": "ti.history", "schema_version": "1.1", "producer": "acme-sink 3.1"}
     assert parse_metadata(table) == expected
     assert parse_metadata(table.schema) == expected
     assert parse_metadata(table.to_batches()[0]) == expected
@@ -81,7 +82,7 @@ def test_another_major_is_refused_naming_the_known_versions(version: str, advice
         check_compatible(table)
     message = str(info.value)
     assert f"ti.history {version} cannot be read" in message
-    assert "this reader knows ti.history 1.x (1.0)" in message
+    assert "this reader knows ti.history 1.x (1.0, 1.1)" in message
     assert advice in message
     with pytest.raises(SchemaMismatchError) as info:
         validate_history(table.drop_columns(["layer"]))
@@ -92,22 +93,30 @@ def test_another_major_is_refused_naming_the_known_versions(version: str, advice
 def test_check_compatible_refuses_foreign_and_missing_metadata() -> None:
     with pytest.raises(SchemaMismatchError, match=r"describes schema 'ti\.history'"):
         check_compatible(example_history_table(), "ti.histograms")
-    assert check_compatible(example_histogram_table(), "ti.histograms") == (1, 0)
+    assert check_compatible(example_histogram_table(), "ti.histograms") == (1, 1)
     with pytest.raises(SchemaMismatchError) as info:
         check_compatible(pa.schema([]))
     assert info.value.kinds == {"missing_metadata"}
 
 
+def test_schema_names_outside_the_contract_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"check_compatible\(expected\) must be one of"):
+        check_compatible(example_history_table(), "ti.histroy")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"schema_metadata\(schema_name\) must be one of"):
+        ti_schema.schema_metadata("history")  # type: ignore[arg-type]
+    assert ti_schema.SCHEMA_NAMES == (ti_schema.HISTORY, ti_schema.HISTOGRAMS)
+
+
 def test_newer_minor_may_add_nullable_columns() -> None:
-    table = at_version(example_history_table(), "1.1")
+    table = at_version(example_history_table(), "1.2")
     grown = table.append_column(
         pa.field("device", pa.string()), pa.nulls(table.num_rows, pa.string())
     )
     validate_history(grown)
     validate_history(grown.schema)
     with pytest.raises(SchemaMismatchError) as info:
-        validate_history(at_version(grown, "1.0"))
-    assert "column 'device': is not part of ti.history 1.0" in str(info.value)
+        validate_history(at_version(grown, "1.1"))
+    assert "column 'device': is not part of ti.history 1.1" in str(info.value)
 
 
 def test_newer_minor_may_not_add_not_null_columns() -> None:
@@ -121,7 +130,7 @@ def test_newer_minor_may_not_add_not_null_columns() -> None:
 
 
 def test_newer_minor_may_not_drop_or_retype_columns() -> None:
-    table = at_version(example_history_table(), "1.1").drop_columns(["dtype"])
+    table = at_version(example_history_table(), "1.2").drop_columns(["dtype"])
     with pytest.raises(SchemaMismatchError) as info:
         validate_history(table)
     assert info.value.kinds == {"missing_column"}
@@ -132,20 +141,73 @@ def test_histograms_follow_the_same_rule() -> None:
     validate_histograms(
         table.append_column(pa.field("p99", pa.float64()), pa.nulls(6, pa.float64()))
     )
-    with pytest.raises(SchemaMismatchError, match=r"knows ti.histograms 1.x \(1.0\)"):
+    with pytest.raises(SchemaMismatchError, match=r"knows ti.histograms 1.x \(1.0, 1.1\)"):
         validate_histograms(at_version(table, "3.0"))
 
 
 def test_older_minor_may_lack_the_columns_added_after_it() -> None:
-    # A hypothetical 1.1 reader whose contract added a nullable `device` column in 1.1.
+    # A hypothetical 1.2 reader whose contract added a nullable `device` column in 1.2.
     base = ti_schema.history_schema("test")
     grown = base.append(pa.field("device", pa.string()))
-    reader = Contract("ti.history", grown, version=(1, 1), added_in={"device": 1})
-    old = example_history_table()  # written at 1.0, no device column
+    reader = Contract("ti.history", grown, version=(1, 2), added_in={"device": 2})
+    old = example_history_table()  # written at 1.1, no device column
     assert problems_for(old, reader) == []
-    at_11 = at_version(old, "1.1")
-    assert [m.kind for m in problems_for(at_11, reader)] == ["missing_column"]
+    at_12 = at_version(old, "1.2")
+    assert [m.kind for m in problems_for(at_12, reader)] == ["missing_column"]
     assert [m.kind for m in problems_for(old.replace_schema_metadata(None), reader)] == [
         "missing_metadata",
         "missing_column",
     ]
+
+
+def test_run_facts_are_optional_metadata_keys_of_1_1() -> None:
+    schema = ti_schema.history_schema(
+        "ti-io 0.2.0",
+        window=7,
+        upgraded_from="torchinstruments 0.8.0",
+        unrecorded=["mode", "run_id", "grad_enabled"],
+    )
+    doc = parse_metadata(schema)
+    assert doc["window"] == 7
+    assert doc["upgraded_from"] == "torchinstruments 0.8.0"
+    assert doc["unrecorded"] == ["run_id", "mode", "grad_enabled"]  # contract order
+    table = example_history_table().replace_schema_metadata(schema.metadata)
+    validate_history(table)
+    assert check_compatible(table) == (1, 1)
+    # a 1.0 file has none of them and stays readable
+    assert "window" not in parse_metadata(ti_schema.history_schema())
+    validate_history(at_version(example_history_table(), "1.0"))
+
+
+@pytest.mark.parametrize(
+    ("facts", "message"),
+    [
+        ({"window": 0}, "'window' must be an int >= 1"),
+        ({"window": "20"}, "'window' must be an int >= 1"),
+        ({"upgraded_from": ""}, "'upgraded_from' must be a non-empty string"),
+        ({"unrecorded": ["value"]}, "'unrecorded' must be a list drawn from"),
+        ({"unrecorded": "mode"}, "'unrecorded' must be a list drawn from"),
+    ],
+)
+def test_malformed_run_facts_are_refused(facts: dict[str, Any], message: str) -> None:
+    table = example_history_table()
+    doc = {**parse_metadata(table), **facts}
+    broken = table.replace_schema_metadata({b"ti": json.dumps(doc).encode()})
+    with pytest.raises(SchemaMismatchError, match=message) as info:
+        validate_history(broken)
+    assert info.value.kinds == {"foreign_metadata"}
+    with pytest.raises(SchemaMismatchError, match=message):
+        check_compatible(broken)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"window": 0}, "window= must be a positive int"),
+        ({"upgraded_from": ""}, "upgraded_from= must be a non-empty string"),
+        ({"unrecorded": ["value"]}, "only .* may be marked unrecorded"),
+    ],
+)
+def test_writing_malformed_run_facts_raises(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ti_schema.history_schema("p", **kwargs)

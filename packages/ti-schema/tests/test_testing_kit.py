@@ -11,6 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ti_schema import SchemaMismatchError, validate_history
+from ti_schema.artifacts import artifact_dir_problems
+from ti_schema.layout import part_name
 from ti_schema.testing import (
     assert_artifact_dir_conforms,
     assert_histograms_conform,
@@ -186,9 +188,62 @@ def test_artifact_dir_with_rank_private_runs(tmp_path: Path) -> None:
     assert "rank-001/result.json: missing" in text
 
 
+def test_live_runs_conform_only_when_allowed_and_their_parts_are_checked(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "stats")
+    (run / "history.parquet").unlink()
+    parts = run / "history.parts"
+    parts.mkdir()
+    assert_artifact_dir_conforms(run, allow_live=True)  # live, no part published yet
+    pq.write_table(example_history_table(), parts / part_name(0))
+    (run / "histograms.parts").mkdir()
+    pq.write_table(example_histogram_table(), run / "histograms.parts" / part_name(0))
+    (parts / ".part-000001.parquet.123.ti-tmp").write_bytes(b"in flight")  # not a part
+    assert_artifact_dir_conforms(run, allow_live=True)
+    with pytest.raises(AssertionError, match="was not consolidated"):
+        assert_artifact_dir_conforms(run)
+    pq.write_table(example_history_table().drop_columns(["value"]), parts / part_name(1))
+    with pytest.raises(AssertionError) as info:
+        assert_artifact_dir_conforms(run, allow_live=True)
+    assert f"{parts / part_name(1)}: column 'value': is missing" in str(info.value)
+    assert "1 problems" in str(info.value)
+
+
+def test_parts_of_a_rank_directory_carry_its_rank(tmp_path: Path) -> None:
+    rank = write_run(tmp_path / "stats" / "rank-004", rank=4)
+    (rank / "history.parts").mkdir()
+    pq.write_table(with_rank(example_history_table(), 4), rank / "history.parts" / part_name(0))
+    assert artifact_dir_problems(tmp_path / "stats") == []
+    pq.write_table(with_rank(example_history_table(), 5), rank / "history.parts" / part_name(1))
+    (problem,) = artifact_dir_problems(tmp_path / "stats")
+    assert problem.path == rank / "history.parts" / part_name(1)
+    assert problem.message == "sits in rank-004/ but holds rank values [5]"
+
+
+def test_files_are_checked_with_their_footer_metadata(tmp_path: Path) -> None:
+    # As Polars writes it (polars_write_options): the stored Arrow schema has no `ti` key, the
+    # Parquet footer has it. pyarrow's table then lacks it; the checker reads the footer.
+    run = write_run(tmp_path / "stats")
+    table = example_history_table()
+
+    def write(metadata: dict[bytes, bytes] | None) -> None:
+        with pq.ParquetWriter(run / "history.parquet", table.schema.remove_metadata()) as writer:
+            writer.write_table(table.replace_schema_metadata(None))
+            if metadata:
+                writer.add_key_value_metadata(metadata)
+
+    write(None)
+    problems = [str(p) for p in artifact_dir_problems(run)]
+    assert any("no 'ti' key" in p for p in problems), problems
+    write(table.schema.metadata)
+    assert not (pq.read_table(run / "history.parquet").schema.metadata or {}).get(b"ti")
+    assert artifact_dir_problems(run) == []
+
+
 def test_artifact_dir_must_exist(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="is not a directory"):
         assert_artifact_dir_conforms(tmp_path / "nothing")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        artifact_dir_problems(tmp_path / "nothing")
 
 
 def test_histogram_example_is_internally_consistent() -> None:

@@ -14,7 +14,7 @@ from ti_core.ranks import RankPolicy, RankSelection
 from ti_core.reduction.plan import DefaultProfile, Reducer, default_reducers
 from ti_core.sampling import AlwaysSampler, EveryNForwardsSampler, Sampler, TimedSampler
 from ti_core.selection import leaf_modules
-from ti_core.sink import LayerInfo, RunInfo, Sink
+from ti_core.sink import LayerInfo, RunInfo, Sink, SinkCapabilities
 
 __all__ = [
     "AlwaysSampler",
@@ -31,6 +31,7 @@ __all__ = [
     "RunInfo",
     "Sampler",
     "Sink",
+    "SinkCapabilities",
     "TelemetryWarning",
     "TimedSampler",
     "default_reducers",

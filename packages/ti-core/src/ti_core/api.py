@@ -16,9 +16,9 @@ from typing import Final, TypedDict, Unpack
 
 from torch import nn
 
-from ti_core import resolve
+from ti_core import legacy, resolve
 from ti_core.capture.hooks import scrub_copied_hooks
-from ti_core.emission.sinks import sink_capabilities
+from ti_core.emission.sinks import read_capabilities
 from ti_core.errors import ErrorPolicy, ErrorPolicyName, ObserverAlreadyAttachedError
 from ti_core.observer import Observer
 from ti_core.ranks import RankPolicy
@@ -30,11 +30,19 @@ from ti_core.sampling import (
     TimedSampler,
     interval_seconds,
 )
-from ti_core.selection import Selector, select_modules, unwrap_compiled
-from ti_core.sink import RunInfo, Sink
+from ti_core.selection import Selector, select_modules, unwrap_model
+from ti_core.sink import RunInfo, Sink, SinkCapabilities
 from ti_schema import histogram_schema, history_schema
 
-DEFAULT_OUTPUT_DIR: Final = "stats"
+
+class _DefaultOutputDir(str):
+    """The default ``output_dir``: equal to ``"stats"``, told apart from an explicit
+    ``output_dir="stats"`` by identity (a DirectorySink in ``sink=`` replaces only the default)."""
+
+    __slots__ = ()
+
+
+DEFAULT_OUTPUT_DIR: Final[str] = _DefaultOutputDir("stats")
 
 ATTRIBUTE: Final = "_ti_observer"
 """Key of the observer in the model's ``__dict__`` (never a submodule, parameter or buffer);
@@ -78,6 +86,12 @@ def _check_sink(candidate: object, where: str) -> Sink:
 def _resolve_sinks(
     output_dir: str | PathLike[str] | None, sink: Sink | Sequence[Sink] | None
 ) -> list[Sink]:
+    """The run's sinks: the directory sink for ``output_dir`` (ti-io), then those of ``sink=``.
+
+    ``sink=`` adds to the directory: ``output_dir`` keeps its default ``"stats"`` unless it is
+    passed as None (the in-memory / own-sink form, which needs only ti-core). A directory sink
+    given in ``sink=`` (for its settings) is the run's directory: the default adds no second one.
+    """
     given: list[Sink] = []
     if sink is not None:
         if isinstance(sink, Sink) and not isinstance(sink, type):
@@ -90,16 +104,22 @@ def _resolve_sinks(
                 raise ValueError("sink= lists the same sink object twice")
         else:
             _check_sink(sink, "sink=")
-    if output_dir is None and sink is None:
-        output_dir = DEFAULT_OUTPUT_DIR
     if output_dir is None:
+        if not given:
+            raise ValueError(
+                "output_dir=None and no sink=: nothing would receive the records; keep them in "
+                "memory with sink=MemorySink(), output_dir=None, or pass an output_dir"
+            )
         return given
     if not isinstance(output_dir, str | PathLike):
         raise TypeError(f"output_dir= must be a path (str or os.PathLike), got {output_dir!r}")
+    default = output_dir is DEFAULT_OUTPUT_DIR
     factory = resolve.directory_sink_factory()
     if factory is None:
-        raise resolve.missing_directory_sink()
+        raise resolve.missing_directory_sink(default=default, with_sinks=bool(given))
     if isinstance(factory, type) and any(isinstance(s, factory) for s in given):
+        if default:
+            return given
         raise ValueError(
             f"output_dir={str(output_dir)!r} and a {factory.__name__} in sink= both name a "
             "directory: pass the directory once, either output_dir= or sink=, not both"
@@ -129,7 +149,7 @@ def _resolve_sampler(sampler: Sampler | None, interval: timedelta | float) -> Sa
 def inject_observer(
     model: nn.Module,
     *,
-    output_dir: str | PathLike[str] | None = None,
+    output_dir: str | PathLike[str] | None = DEFAULT_OUTPUT_DIR,
     sink: Sink | Sequence[Sink] | None = None,
     sampler: Sampler | None = None,
     interval: timedelta | float = DEFAULT_INTERVAL,
@@ -144,10 +164,13 @@ def inject_observer(
     """Attach an observer that records selected modules' outputs and output gradients.
 
     Sampling is decided per root forward (``sampler``; default ``TimedSampler(interval)``).
-    Records go to ``sink`` (one or several) and/or to the directory sink of ti-io for
-    ``output_dir``; with neither, ``output_dir="stats"``. Raises before touching the model on bad
-    input; ``ObserverAlreadyAttachedError`` if one is attached already. When the rank policy
-    says this process does not observe, nothing is attached and ``has_observer`` stays False.
+    Records go to the directory sink of ti-io for ``output_dir`` (default ``"stats"``) and to
+    every sink in ``sink`` (one or several), which adds to the directory; ``output_dir=None``
+    keeps only ``sink`` (``sink=MemorySink(), output_dir=None``: in memory, ti-core alone). A
+    ti-io ``DirectorySink`` in ``sink`` is the run's directory instead of the default. Raises
+    before touching the model on bad input; ``ObserverAlreadyAttachedError`` if one is attached
+    already. When the rank policy says this process does not observe, nothing is attached and
+    ``has_observer`` stays False.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -175,10 +198,13 @@ def inject_observer(
         interval_seconds(interval)
     chosen_sampler = _resolve_sampler(sampler, interval)
     policy = resolve.rank_policy(rank_policy)
-    target = unwrap_compiled(model)
+    target = unwrap_model(model)
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
-    plan = ReductionPlan(default_reducers() if reducers is None else reducers)
-    sinks = _resolve_sinks(output_dir, sink)
+    plan = ReductionPlan(
+        default_reducers() if reducers is None else legacy.adapt_reducers(reducers)
+    )
+    sinks = _resolve_sinks(output_dir, legacy.adapt_sinks(sink, selection.modules))
+    capabilities = read_capabilities(sinks)  # TypeError for a malformed one, before any opens
     ranks = resolve.select_rank(policy)
     if not ranks.observe:
         return
@@ -237,25 +263,29 @@ def inject_observer(
         errors=errors,
         capture_direct_forwards=capture_direct_forwards,
         columns=columns,
-        background=_background_allowed(plan, sinks, errors),
+        capabilities=capabilities,
+        background=_background_allowed(plan, capabilities, errors),
     )
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)
 
 
-def _background_allowed(plan: ReductionPlan, sinks: Sequence[Sink], errors: ErrorPolicy) -> bool:
+def _background_allowed(
+    plan: ReductionPlan, capabilities: Sequence[SinkCapabilities], errors: ErrorPolicy
+) -> bool:
     """Whether reductions and writes may leave the training thread (docs/capture.md, "Where
     the reduction runs").
 
     Only when nothing the user wrote runs there and nothing must fail on the training thread:
     the default profile only (a custom reducer is user code), every sink declares
-    ``accepts_background_writes`` (the Sink protocol promises calls on the training thread
-    otherwise), and the error policy is not ``raise`` (which must raise in the training step).
+    ``SinkCapabilities(background_writes=True)`` (the Sink protocol promises calls on the
+    training thread otherwise), and the error policy is not ``raise`` (which must raise in the
+    training step).
     """
     return (
         plan.default_only
         and not errors.raises
-        and all(sink_capabilities(sink).background_writes for sink in sinks)
+        and all(declared.background_writes for declared in capabilities)
     )
 
 
@@ -298,7 +328,8 @@ class ObserverOptions(TypedDict, total=False):
 
 @contextmanager
 def observe(model: nn.Module, **options: Unpack[ObserverOptions]) -> Iterator[nn.Module]:
-    """``with observe(model, sink=MemorySink()): train(model)``: inject on enter, remove on exit."""
+    """``with observe(model, sink=MemorySink(), output_dir=None): train(model)``: inject on
+    enter, remove on exit."""
     inject_observer(model, **options)
     try:
         yield model

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import pyarrow as pa
 
-from ti_core.sink import RunInfo
+from ti_core.sink import Barrier, RunInfo, SinkCapabilities
 from ti_schema import histogram_schema, history_schema
 
 
@@ -19,9 +18,6 @@ class MemorySink:
     writes on its emission worker.
     """
 
-    accepts_background_writes = True
-    """Writes may come from the observer's emission worker (they append under a lock)."""
-
     def __init__(self) -> None:
         self._history: list[pa.RecordBatch] = []
         self._histograms: list[pa.RecordBatch] = []
@@ -30,7 +26,7 @@ class MemorySink:
         """Every RunInfo this sink was opened with, in order."""
         self.open_count = 0
         self.close_count = 0
-        self._barriers: list[Callable[[], None]] = []
+        self._barriers: list[Barrier] = []
 
     @property
     def run(self) -> RunInfo | None:
@@ -58,7 +54,12 @@ class MemorySink:
         with self._lock:
             self.close_count += 1
 
-    def attach_barrier(self, barrier: Callable[[], None]) -> None:
+    def capabilities(self) -> SinkCapabilities:
+        """Writes may come from the observer's emission worker (they append under a lock);
+        reads wait for the signals it has queued (``attach_barrier``)."""
+        return SinkCapabilities(background_writes=True, on_barrier=self.attach_barrier)
+
+    def attach_barrier(self, barrier: Barrier) -> None:
         """Called by an observer that writes from a background thread: reads first wait for
         the signals it has queued."""
         with self._lock:

@@ -21,14 +21,14 @@ from ti_core.capture.gradients import GradientState, GradientTarget
 from ti_core.capture.sample import Sample
 from ti_core.capture.snapshots import SnapshotPool
 from ti_core.emission.emitters import BackgroundEmitter, Emitter, InlineEmitter
-from ti_core.emission.sinks import SinkFanout, sink_capabilities
+from ti_core.emission.sinks import SinkFanout
 from ti_core.emission.writer import EndedSignal, SignalWriter
 from ti_core.errors import ErrorPolicy
 from ti_core.gate import Gate, GateState
 from ti_core.records import RunColumns
 from ti_core.reduction.plan import ReductionPlan
 from ti_core.sampling import Sampler
-from ti_core.sink import RunInfo, Sink
+from ti_core.sink import RunInfo, Sink, SinkCapabilities
 
 
 class Observer:
@@ -42,6 +42,7 @@ class Observer:
         focus: Sequence[int],
         run: RunInfo,
         sinks: Sequence[Sink],
+        capabilities: Sequence[SinkCapabilities],
         sampler: Sampler,
         plan: ReductionPlan,
         errors: ErrorPolicy,
@@ -54,7 +55,7 @@ class Observer:
         self._plan = plan
         self._focus = frozenset(focus)
         self._pool = SnapshotPool()
-        self.sinks = SinkFanout(sinks, errors)
+        self.sinks = SinkFanout(sinks, capabilities, errors)
         """Every sink of the run: all writes, and the one close of each."""
         writer = SignalWriter(columns, self.sinks, errors)
         self._emitter: Emitter = (
@@ -115,10 +116,7 @@ class Observer:
         self.gate.attach(root)
         barrier = self._emitter.barrier()
         if barrier is not None:
-            for sink in self.sinks.sinks:
-                attach_barrier = sink_capabilities(sink).attach_barrier
-                if attach_barrier is not None:
-                    attach_barrier(barrier)
+            self.sinks.offer_barrier(barrier)
 
     def drain(self) -> None:
         """Wait until every signal that ended so far is reduced and written to the sinks, and

@@ -1,35 +1,18 @@
-"""Which process observes: the rank-policy protocol and core's fallback without ti-dist.
+"""Which process observes: the rank-policy contract (from ti-schema) and core's distributed test.
 
-ti-core never imports ti-dist; named policies are found through the ``ti.rank_policies`` entry
-point group (``rank0`` and ``all`` are registered by ti-dist).
+``RankPolicy`` and ``RankSelection`` live in :mod:`ti_schema.ranks` (ti-dist implements the
+policies against them without importing ti-core); they are re-exported here. ti-core never
+imports ti-dist; named policies are found through the ``ti.rank_policies`` entry point group
+(``rank0`` and ``all`` are registered by ti-dist).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
+from ti_schema.ranks import RankPolicy, RankSelection
 
-@dataclass(frozen=True)
-class RankSelection:
-    """What a rank policy decided for this process."""
-
-    rank: int
-    world_size: int
-    observe: bool
-    """False: attach nothing on this process (no hooks, no files)."""
-    subdir: str | None = None
-    """Rank-private subdirectory for file sinks (e.g. ``rank-003``); None writes in place."""
-
-
-@runtime_checkable
-class RankPolicy(Protocol):
-    """Decides, once at attach time, whether and where this process observes."""
-
-    def select(self) -> RankSelection:
-        """Detect this process's rank and return the decision for it."""
-        ...
+__all__ = ["RankPolicy", "RankSelection", "visibly_distributed"]
 
 
 def visibly_distributed() -> bool:

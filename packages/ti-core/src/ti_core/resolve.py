@@ -32,11 +32,27 @@ def directory_sink_factory() -> Callable[[Any], Any] | None:
     return factory
 
 
-def missing_directory_sink() -> MissingProviderError:
+def missing_directory_sink(
+    *, default: bool = False, with_sinks: bool = False
+) -> MissingProviderError:
+    """The error for an ``output_dir`` without ti-io; names both fixes."""
+    if default and with_sinks:
+        what = (
+            "sink= adds to the run directory, and output_dir defaults to 'stats', which needs "
+            "the directory sink of ti-io (not installed)"
+        )
+        memory = "pass output_dir=None to use only the sinks in sink="
+    elif default:
+        what = (
+            "inject_observer writes its artifacts to output_dir='stats' by default, which needs "
+            "the directory sink of ti-io (not installed)"
+        )
+        memory = "keep the records in memory with sink=MemorySink(), output_dir=None"
+    else:
+        what = "output_dir= needs the directory sink of ti-io, which is not installed"
+        memory = "keep the records in memory with sink=MemorySink(), output_dir=None"
     return MissingProviderError(
-        "output_dir= needs the directory sink of ti-io, which is not installed: "
-        "`pip install ti-io`, or keep records in memory with sink=MemorySink() "
-        "(from ti_core import MemorySink)"
+        f"{what}: `pip install ti-io`, or {memory} (from ti_core import MemorySink)"
     )
 
 

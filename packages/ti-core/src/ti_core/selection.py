@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ti_core.sink import LayerInfo
@@ -36,12 +37,35 @@ class Selection:
     """Indices into ``layers`` of the focus layers."""
 
 
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The module whose names are reported: the original module behind ``torch.compile``."""
-    inner = getattr(model, "_orig_mod", None)
-    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
-        return inner
-    return model
+def _data_parallel_types() -> tuple[type[nn.Module], ...]:
+    found: list[type[nn.Module]] = [nn.DataParallel]
+    if torch.distributed.is_available():
+        from torch.nn.parallel import DistributedDataParallel
+
+        found.append(DistributedDataParallel)
+    return tuple(found)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module whose names are reported: the model behind its wrappers.
+
+    ``torch.compile``'s ``OptimizedModule`` (``_orig_mod``) and the data-parallel wrappers
+    ``DistributedDataParallel`` and ``DataParallel`` (``module``) are peeled off in any nesting
+    (DDP of a compiled model, a compiled DDP), so layer names equal the bare model's
+    ``named_modules()``. FSDP2's ``fully_shard`` works in place and keeps the names; nothing to
+    peel. Hooks still go on the outermost module, so one root forward is one call of it.
+    """
+    wrappers = _data_parallel_types()
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+            model = inner
+            continue
+        wrapped = getattr(model, "module", None)
+        if isinstance(model, wrappers) and isinstance(wrapped, nn.Module):
+            model = wrapped
+            continue
+        return model
 
 
 def select_modules(

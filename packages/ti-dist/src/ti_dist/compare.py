@@ -26,27 +26,35 @@ from typing import Final, Literal
 import polars as pl
 
 from ti_dist.reading import scan_ranks
+from ti_schema import SIGNALS, Signal
 
 MAD_TO_STD: Final[float] = 1.4826
 """Scales the median absolute deviation to a standard deviation for normally distributed data."""
 
 TENSOR_KEY: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path", "metric")
+AlignOn = Literal["sample_id", "forward_index"]
+"""The column that lines rows up across ranks (see :func:`compare_ranks`)."""
 
 
-def _as_filter(name: str, value: str | Sequence[str] | None) -> pl.Expr | None:
+def _as_filter(
+    name: Literal["layer", "signal", "metric"], value: str | Sequence[str] | None
+) -> pl.Expr | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return pl.col(name) == value
+        value = [value]
     values = list(value)
     if not values or not all(isinstance(v, str) for v in values):
         raise TypeError(
             f"{name} must be a string or a non-empty sequence of strings, got {value!r}"
         )
+    if name == "signal" and not set(values) <= set(SIGNALS):
+        unknown = sorted(set(values) - set(SIGNALS))
+        raise ValueError(f"signal must be one of {list(SIGNALS)} (or several), got {unknown}")
     return pl.col(name).is_in(values)
 
 
-def _validate(threshold: float, rtol: float, atol: float, align_on: str) -> None:
+def _validate(threshold: float, rtol: float, atol: float, align_on: AlignOn) -> None:
     if align_on not in ("sample_id", "forward_index"):
         raise ValueError(f"align_on must be 'sample_id' or 'forward_index', got {align_on!r}")
     for name, value in (("threshold", threshold), ("rtol", rtol), ("atol", atol)):
@@ -84,9 +92,9 @@ def compare_ranks(
     source: str | os.PathLike[str] | pl.LazyFrame | pl.DataFrame,
     *,
     layer: str | Sequence[str] | None = None,
-    signal: str | Sequence[str] | None = None,
+    signal: Signal | Sequence[Signal] | None = None,
     metric: str | Sequence[str] | None = None,
-    align_on: Literal["sample_id", "forward_index"] = "sample_id",
+    align_on: AlignOn = "sample_id",
     threshold: float = 5.0,
     rtol: float = 1e-9,
     atol: float = 0.0,
@@ -111,6 +119,15 @@ def compare_ranks(
     error (filter it by ``run_id`` first).
     """
     _validate(threshold, rtol, atol, align_on)
+    filters = [
+        f
+        for f in (
+            _as_filter("layer", layer),
+            _as_filter("signal", signal),
+            _as_filter("metric", metric),
+        )
+        if f is not None
+    ]
     if isinstance(source, pl.DataFrame):
         frame = source.lazy()
     elif isinstance(source, pl.LazyFrame):
@@ -122,15 +139,6 @@ def compare_ranks(
             "source must be an output_dir path or a polars LazyFrame/DataFrame of ti.history "
             f"rows, got {type(source).__name__}"
         )
-    filters = [
-        f
-        for f in (
-            _as_filter("layer", layer),
-            _as_filter("signal", signal),
-            _as_filter("metric", metric),
-        )
-        if f is not None
-    ]
     key = [*TENSOR_KEY, align_on]
     for expr in filters:
         frame = frame.filter(expr)

@@ -9,17 +9,16 @@ alone writes into ``output_dir``), so no two ranks share a file, lock or writer.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
 
-from ti_core.ranks import RankSelection
 from ti_dist.detect import detect_rank
-
-RANK_DIR_PREFIX: Final[str] = "rank-"
+from ti_schema.layout import rank_dir_name
+from ti_schema.ranks import RankSelection
 
 
 def rank_subdir(rank: int) -> str:
-    """The rank-private directory name for ``rank``: ``rank-000``, ``rank-001``, ..."""
-    return f"{RANK_DIR_PREFIX}{rank:03d}"
+    """The rank-private directory name for ``rank``: ``rank-000``, ``rank-001``, ...
+    (:func:`ti_schema.layout.rank_dir_name`)."""
+    return rank_dir_name(rank)
 
 
 class Rank0Only:

@@ -1,9 +1,10 @@
 """Read every rank's history of a run as one Polars LazyFrame, ``rank`` column intact.
 
-Layout (DESIGN §3.3): with every rank writing, ``output_dir/rank-NNN/`` each hold a full artifact
-set; with ``Rank0Only`` (or a single process) the artifacts sit in ``output_dir`` itself. A rank
-whose run finished has ``history.parquet``; a rank still running, or one that was killed, has only
-completed chunks in ``history.parts/``. Rows are returned as written: nothing is averaged.
+Layout (:mod:`ti_schema.layout`, docs/distributed.md): with every rank writing,
+``output_dir/rank-NNN/`` each hold a full artifact set; with ``Rank0Only`` (or a single process)
+the artifacts sit in ``output_dir`` itself. A rank whose run finished has ``history.parquet``; a
+rank still running, or one that was killed, has only completed parts in ``history.parts/``. Rows
+are returned as written: nothing is averaged.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from typing import Any, Final, cast
 import polars as pl
 
 from ti_schema import DICTIONARY_COLUMNS
+from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_parts, list_rank_dirs
 
-HISTORY_FILE: Final[str] = "history.parquet"
-PARTS_DIR: Final[str] = "history.parts"
-RANK_DIR_PATTERN: Final[re.Pattern[str]] = re.compile(r"^rank-(\d{3,})$")
 _ENGINE_ARGUMENT_SINCE: Final[tuple[int, int]] = (1, 25)
 """Polars release that replaced ``collect(streaming=True)`` by ``collect(engine="streaming")``."""
 
@@ -41,15 +40,8 @@ def _history_files(directory: Path) -> tuple[tuple[Path, ...], bool]:
     final = directory / HISTORY_FILE
     if final.is_file():
         return (final,), True
-    parts_dir = directory / PARTS_DIR
-    if not parts_dir.is_dir():
-        return (), False
-    # Writers publish a part by renaming a finished temporary file; names starting with "." or
-    # "_" are in-flight temporaries or metadata, not parts.
-    parts = sorted(
-        p for p in parts_dir.glob("*.parquet") if p.is_file() and not p.name.startswith((".", "_"))
-    )
-    return tuple(parts), False
+    # Published parts only, in part order: in-flight temporaries and other files are not parts.
+    return tuple(list_parts(directory / HISTORY_PARTS)), False
 
 
 def find_history_sources(output_dir: str | os.PathLike[str]) -> list[HistorySource]:
@@ -67,12 +59,7 @@ def find_history_sources(output_dir: str | os.PathLike[str]) -> list[HistorySour
     files, final = _history_files(root)
     if files:
         sources.append(HistorySource(root, None, files, final))
-    rank_dirs = []
-    for child in root.iterdir():
-        match = RANK_DIR_PATTERN.match(child.name)
-        if match and child.is_dir():
-            rank_dirs.append((int(match.group(1)), child))
-    for rank, child in sorted(rank_dirs):
+    for rank, child in list_rank_dirs(root):
         files, final = _history_files(child)
         if files:
             sources.append(HistorySource(child, rank, files, final))
@@ -92,16 +79,17 @@ def _scan(source: HistorySource) -> pl.LazyFrame:
 def scan_ranks(output_dir: str | os.PathLike[str]) -> pl.LazyFrame:
     """One LazyFrame over every rank's ``ti.history`` rows under ``output_dir``.
 
-    Reads ``rank-NNN/history.parquet`` of each rank, or that rank's ``history.parts/*.parquet``
-    when the final file is absent (a live or killed rank); a plain single-directory run works
-    too. Each row keeps the ``rank`` its writer recorded; nothing is combined across ranks.
+    Reads ``rank-NNN/history.parquet`` of each rank, or, when the final file is absent (a live
+    or killed rank), that rank's published parts (``history.parts/part-NNNNNN.parquet``, in part
+    order); a plain single-directory run works too. Each row keeps the ``rank`` its writer
+    recorded; nothing is combined across ranks.
     Raises ``FileNotFoundError`` naming ``output_dir`` when no history is found.
     """
     sources = find_history_sources(output_dir)
     if not sources:
         raise FileNotFoundError(
             f"no history found under output_dir {str(Path(output_dir))!r}: expected "
-            f"{HISTORY_FILE} or {PARTS_DIR}/*.parquet in it or in its rank-NNN/ subfolders"
+            f"{HISTORY_FILE} or {HISTORY_PARTS}/ parts in it or in its rank-NNN/ subfolders"
         )
     frames = [_scan(source) for source in sources]
     if len(frames) == 1:

@@ -104,24 +104,28 @@ def run_lightning_digits(
     seed: int = 0,
     sample_every: int = 10,
     progress_bar: bool = False,
+    default_stats_dir: bool = False,
 ) -> DigitsResult:
     """Train and test the classifier under the observer; returns the measured test accuracy.
 
     Writes ``output_dir/stats`` (directory artifacts) and ``output_dir/lightning`` (Lightning's
     logger). Test batches run under the observer too, so the history holds ``eval`` rows.
+    ``default_stats_dir=True`` attaches as torchinstruments 0.8.0's Lightning example did,
+    ``inject_observer(model, sink=TensorBoardSink(logger))`` without ``output_dir=``: ``sink=``
+    adds to the default directory, so the artifacts go to ``stats`` in the working directory.
     """
     output_dir = Path(output_dir)
     seed_everything(seed, verbose=False)
     train, test = digits_loaders(seed, batch_size)
     model = DigitsClassifier()
     logger = TensorBoardLogger(save_dir=output_dir, name="lightning", version=0)
-    stats_dir = output_dir / "stats"
-    inject_observer(
-        model,
-        output_dir=stats_dir,
-        sink=TensorBoardSink(logger),
-        sampler=EveryNForwardsSampler(sample_every),
-    )
+    sampler = EveryNForwardsSampler(sample_every)
+    if default_stats_dir:
+        stats_dir = Path.cwd() / "stats"
+        inject_observer(model, sink=TensorBoardSink(logger), sampler=sampler)
+    else:
+        stats_dir = output_dir / "stats"
+        inject_observer(model, output_dir=stats_dir, sink=TensorBoardSink(logger), sampler=sampler)
     try:
         with _quiet_lightning():
             trainer = Trainer(

@@ -2,7 +2,8 @@
 
 ``DirectorySink`` writes live Parquet parts, ``history.parquet``, ``histograms.parquet``,
 ``result.json``, ``index.md`` and TensorBoard events; ``TensorBoardSink`` adds the histograms
-to a caller-owned TensorBoard writer; ``scan_history`` and ``consolidate`` read and finish runs.
+to a caller-owned TensorBoard writer; ``scan_history`` and ``consolidate`` read and finish runs;
+``upgrade`` converts a run written by torchinstruments 0.8.0.
 ``inject_observer(model, output_dir=...)`` finds ``DirectorySink`` through the ``ti.sinks``
 entry point, so ti-core never imports this package.
 """
@@ -13,6 +14,8 @@ from ti_io.config import HistoryConfig
 from ti_io.consolidate import Consolidated, consolidate
 from ti_io.directory_sink import DirectorySink
 from ti_io.errors import ArtifactWriteError, NothingToConsolidateError
+from ti_io.legacy import Upgraded, UpgradedRun, UpgradeError, upgrade
+from ti_io.legacy_layout import LegacyRunError, legacy_reason
 from ti_io.readers import scan_history
 from ti_io.tags import histogram_tag
 from ti_io.tensorboard_sink import TensorBoardSink
@@ -22,9 +25,15 @@ __all__ = [
     "Consolidated",
     "DirectorySink",
     "HistoryConfig",
+    "LegacyRunError",
     "NothingToConsolidateError",
     "TensorBoardSink",
+    "UpgradeError",
+    "Upgraded",
+    "UpgradedRun",
     "consolidate",
     "histogram_tag",
+    "legacy_reason",
     "scan_history",
+    "upgrade",
 ]

@@ -1,33 +1,31 @@
-"""The ``ti`` command: ``ti summary DIR``, ``ti validate DIR``, ``ti consolidate DIR``."""
+"""The ``ti`` command: ``ti summary DIR``, ``ti validate DIR``, ``ti consolidate DIR``,
+``ti upgrade OLD_DIR NEW_DIR``.
+
+Every command first recognizes a run directory written by torchinstruments 0.8.0 and says so in
+one line (exit 1), pointing at ``ti upgrade``, instead of failing on its columns."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import polars as pl
-import pyarrow.parquet as pq
 
 from ti_io.config import HistoryConfig
 from ti_io.consolidate import consolidate
 from ti_io.errors import NothingToConsolidateError
 from ti_io.facts import read_catalog, read_run_facts
-from ti_io.layout import (
-    HISTOGRAM_PARTS,
-    HISTOGRAMS_FILE,
-    HISTORY_FILE,
-    HISTORY_PARTS,
-    INDEX_FILE,
-    RANK_DIR,
-    RESULT_FILE,
-    list_parts,
-)
+from ti_io.legacy import UpgradeError, upgrade, upgraded_from
+from ti_io.legacy_layout import check_not_legacy
 from ti_io.readers import scan_history
 from ti_io.result_json import TENSOR_KEYS, aggregate
-from ti_schema import DEFAULT_METRICS
+from ti_schema import DEFAULT_METRICS, SIGNALS, Signal
+from ti_schema.artifacts import artifact_dir_problems
+from ti_schema.layout import HISTORY_FILE
 
 
 def display_name(name: str) -> str:
@@ -39,7 +37,9 @@ def display_name(name: str) -> str:
     return json.dumps(name, ensure_ascii=False)[1:-1]
 
 
-def _summary_frame(directory: Path, metrics: Sequence[str], signals: Sequence[str]) -> pl.DataFrame:
+def _summary_frame(
+    directory: Path, metrics: Sequence[str], signals: Sequence[Signal]
+) -> pl.DataFrame:
     facts = read_run_facts(directory)
     history = scan_history(directory)
     if metrics:
@@ -51,12 +51,8 @@ def _summary_frame(directory: Path, metrics: Sequence[str], signals: Sequence[st
         pl.col("value").sort_by("sample_id").last().alias("latest"),
         pl.col("sample_id").max().alias("latest_sample"),
     )
-    window = facts.window
     table = (
-        aggregate(history, window)
-        .with_columns(  # as in result.json: no window mean from fewer than `window` samples
-            pl.when(pl.col("observations") >= window).then(pl.col("recent_window_mean"))
-        )
+        aggregate(history, facts.window)  # the run's window: run.json live, the footer after
         .join(latest, on=keys, how="left")
         .select(
             *keys,
@@ -113,7 +109,15 @@ def _summary(args: argparse.Namespace) -> int:
     table = _summary_frame(directory, args.metric or [], args.signal or [])
     live = not (directory / HISTORY_FILE).is_file()
     status = "live or unconsolidated (from history.parts)" if live else "finalized"
-    print(f"{directory}: {status}")
+    window = read_run_facts(directory).window
+    print(f"{directory}: {status}; recent_window_mean over the last window {window} samples")
+    upgraded = upgraded_from(directory)
+    if upgraded is not None:
+        source, unrecorded = upgraded
+        print(
+            f"upgraded from {source}, which did not record {', '.join(unrecorded) or 'nothing'}: "
+            "those columns hold placeholders"
+        )
     with pl.Config(
         tbl_rows=-1,
         tbl_cols=-1,
@@ -127,71 +131,14 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validation_problems(directory: Path) -> list[str]:
-    from ti_schema import (
-        SchemaMismatchError,
-        validate_histograms,
-        validate_history,
-        validate_result_json,
-    )
-
-    problems: list[str] = []
-
-    def check_parquet(path: Path, histograms: bool) -> None:
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:
-            problems.append(f"{path}: cannot be read as Parquet ({exc})")
-            return
-        try:
-            (validate_histograms if histograms else validate_history)(table)
-        except SchemaMismatchError as error:
-            problems.extend(f"{path}: {m}" for m in error.mismatches)
-
-    history = directory / HISTORY_FILE
-    parts = list_parts(directory / HISTORY_PARTS)
-    if history.is_file():
-        check_parquet(history, False)
-    elif not parts and not (directory / HISTORY_PARTS).is_dir():
-        problems.append(f"{history}: missing")
-    for part in parts:
-        check_parquet(part, False)
-    histograms = directory / HISTOGRAMS_FILE
-    if histograms.is_file():
-        check_parquet(histograms, True)
-    for part in list_parts(directory / HISTOGRAM_PARTS):
-        check_parquet(part, True)
-    result = directory / RESULT_FILE
-    try:
-        data = json.loads(
-            result.read_text(encoding="utf-8"),
-            parse_constant=lambda token: (_ for _ in ()).throw(
-                ValueError(f"{token} is not strict JSON")
-            ),
-        )
-    except FileNotFoundError:
-        problems.append(f"{result}: missing")
-    except ValueError as exc:
-        problems.append(f"{result}: not strict JSON ({exc})")
-    else:
-        try:
-            validate_result_json(data)
-        except SchemaMismatchError as error:
-            problems.extend(f"{result}: {m}" for m in error.mismatches)
-    if not (directory / INDEX_FILE).is_file():
-        problems.append(f"{directory / INDEX_FILE}: missing")
-    return problems
-
-
 def _validate(args: argparse.Namespace) -> int:
     root = Path(args.dir)
-    if not root.is_dir():
-        print(f"ti validate: {root} is not a directory", file=sys.stderr)
+    try:
+        # Live and interrupted runs are checked as they stand: parts, catalog and index.md.
+        problems = artifact_dir_problems(root, allow_live=True)
+    except NotADirectoryError as exc:
+        print(f"ti validate: {exc}", file=sys.stderr)
         return 1
-    ranks = sorted(c for c in root.iterdir() if c.is_dir() and RANK_DIR.fullmatch(c.name))
-    problems: list[str] = []
-    for directory in ranks or [root]:
-        problems += _validation_problems(directory)
     if problems:
         print(f"{root}: {len(problems)} problem(s)")
         for problem in problems:
@@ -218,6 +165,22 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    try:
+        done = upgrade(args.old_dir, args.new_dir)
+    except UpgradeError as exc:
+        print(f"ti {exc}", file=sys.stderr)
+        return 1
+    for run in done.runs:
+        state = "interrupted run (from its parts)" if run.interrupted else "run"
+        print(
+            f"{run.destination}: upgraded the torchinstruments 0.8.0 {state} {run.source} "
+            f"({run.history_rows} history rows, rank {run.rank}; not recorded by 0.8.0, "
+            f"placeholders: {', '.join(run.unrecorded)})"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ti", description="Read, check and finish TorchInstruments run directories."
@@ -233,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument(
         "--signal",
         action="append",
-        choices=("output", "output_gradient"),
+        choices=SIGNALS,
         help="only this signal (repeatable)",
     )
     summary.set_defaults(run=_summary)
@@ -255,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="consolidate even if the process that wrote the run seems alive",
     )
     finish.set_defaults(run=_consolidate)
+    convert = commands.add_parser(
+        "upgrade",
+        help="convert a run written by torchinstruments 0.8.0 into a new directory",
+    )
+    convert.add_argument("old_dir", help="the 0.8.0 run directory (only read)")
+    convert.add_argument("new_dir", help="where the upgraded run goes (new or empty)")
+    convert.set_defaults(run=_upgrade)
     return parser
 
 
@@ -262,10 +232,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ti`` console script."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args))
-    except (FileNotFoundError, ValueError) as exc:
+        if args.command != "upgrade":
+            check_not_legacy(args.dir, _ACTIONS[args.command])
+        code = int(args.run(args))
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
+    except (FileNotFoundError, ValueError) as exc:  # LegacyRunError too: one line, no traceback
         print(f"ti {args.command}: {exc}", file=sys.stderr)
         return 1
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``ti summary DIR | head``): stop quietly, as Unix
+    tools do. Python flushes stdout again at exit, so stdout is pointed at the null device
+    first; the exit status is the shell's for a command stopped by SIGPIPE (128 + 13)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
+
+
+_ACTIONS = {
+    "summary": "summarized",
+    "validate": "validated against the current contract",
+    "consolidate": "consolidated",
+}
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ class HistoryConfig:
 
     ``buffer_rows``: rows held in memory before they are handed to the background writer and
     published as one ``history.parts/part-NNNNNN.parquet``; also bounds the rows a hard kill
-    can lose. ``window``: samples per window for ``previous_window_mean`` and
-    ``recent_window_mean`` in result.json.
+    can lose. ``window``: observations per window for ``recent_window_mean`` (the last
+    ``window``, or all when fewer) and ``previous_window_mean`` (the up to ``window`` before
+    those) in result.json; recorded in the ``ti`` footer of ``history.parquet``.
     """
 
     buffer_rows: int = 8192

@@ -28,20 +28,20 @@ from ti_io.digest import HistoryDigest
 from ti_io.errors import NothingToConsolidateError
 from ti_io.facts import RunFacts, read_run_facts
 from ti_io.index_md import write_index
-from ti_io.layout import (
+from ti_io.legacy_layout import check_not_legacy
+from ti_io.parts import dictionary_columns
+from ti_io.publishing import publish_with, retire_dir
+from ti_io.result_json import render, write_result_json
+from ti_schema import histogram_schema, history_schema
+from ti_schema.layout import (
     HISTOGRAM_PARTS,
     HISTOGRAMS_FILE,
     HISTORY_FILE,
     HISTORY_PARTS,
-    RANK_DIR,
     RESULT_FILE,
     list_parts,
-    publish_with,
-    retire_dir,
+    list_rank_dirs,
 )
-from ti_io.parts import dictionary_columns
-from ti_io.result_json import render, write_result_json
-from ti_schema import histogram_schema, history_schema
 
 FINAL_COMPRESSION: Final[str] = "zstd"
 ROW_GROUP_ROWS: Final[int] = 131_072
@@ -197,8 +197,13 @@ def _finalize(directory: Path, facts: RunFacts) -> Consolidated:
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
     producer = _producer(facts)
     digest = HistoryDigest()
+    # The footer records the window of result.json's window means (a contract 1.1 run fact), so
+    # readers of the finalized run (``ti summary``) use the run's window.
     history_rows = _stream_parts(
-        history_parts, directory / HISTORY_FILE, history_schema(producer), digest
+        history_parts,
+        directory / HISTORY_FILE,
+        history_schema(producer, window=facts.window),
+        digest,
     )
     # Arrow's allocator keeps the streamed row groups' memory for reuse; handing it back
     # before the aggregation keeps the peak of a 900,000-row finalization near 130 MB
@@ -243,7 +248,8 @@ def consolidate(
     removes the parts. Idempotent: a finalized directory is left as it is
     (``already_done=True``). ``history_config``: window for result.json (default: the run's
     own). ``force``: consolidate even though the process that wrote the run still seems alive.
-    Raises NothingToConsolidateError for a directory that holds no run.
+    Raises NothingToConsolidateError for a directory that holds no run, and
+    ``ti_io.LegacyRunError`` for one written by torchinstruments 0.8.0 (see ``ti_io.upgrade``).
     """
     directory = Path(output_dir)
     if history_config is not None and not isinstance(history_config, HistoryConfig):
@@ -255,6 +261,7 @@ def consolidate(
         raise NothingToConsolidateError(
             f"consolidate({str(directory)!r}): no such directory; pass the output_dir of a run"
         )
+    check_not_legacy(directory, "consolidated")
     has_parts = (directory / HISTORY_PARTS).is_dir() or (directory / HISTOGRAM_PARTS).is_dir()
     if not has_parts:
         if (directory / HISTORY_FILE).is_file():
@@ -262,7 +269,7 @@ def consolidate(
             hist = directory / HISTOGRAMS_FILE
             hist_rows = pq.read_metadata(hist).num_rows if hist.is_file() else 0
             return Consolidated(directory, rows, hist_rows, 0, already_done=True)
-        ranks = sorted(c.name for c in directory.iterdir() if RANK_DIR.fullmatch(c.name))
+        ranks = [child.name for _, child in list_rank_dirs(directory)]
         if ranks:
             raise NothingToConsolidateError(
                 f"{directory} holds rank-private runs ({', '.join(ranks[:4])}"

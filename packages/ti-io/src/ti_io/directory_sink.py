@@ -13,9 +13,8 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final, Literal
 
 import pyarrow as pa
 
@@ -24,28 +23,22 @@ from ti_io.consolidate import finalize
 from ti_io.errors import ArtifactWriteError
 from ti_io.facts import RunFacts, write_run_file
 from ti_io.index_md import write_index
-from ti_io.layout import (
-    HISTOGRAM_PARTS,
-    HISTORY_PARTS,
-    RESULT_FILE,
-    TENSORBOARD_DIR,
-    present_artifacts,
-    remove_run_artifacts,
-)
-from ti_io.parts import PartWriter, WriteFailure
+from ti_io.parts import Lost, PartWriter, WriteFailure
+from ti_io.publishing import present_artifacts, remove_run_artifacts
 from ti_io.result_json import render, write_result_json
 from ti_io.tensorboard_sink import EventFileHistograms
 from ti_schema import histogram_schema, history_schema
-
-if (
-    TYPE_CHECKING
-):  # ti-core is imported for types only: importing ti_io (the `ti` command) must not pay
-    from ti_core.sink import RunInfo
+from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, RESULT_FILE, TENSORBOARD_DIR
+from ti_schema.sink import Barrier, RunInfo, SinkCapabilities
 
 _STRING: Final[pa.DataType] = pa.string()
+_Method = Literal["write_history", "write_histograms", "flush"]
+"""The sink methods that need an open sink (named in their errors)."""
 
 
-def _check_schema(batch: pa.RecordBatch, expected: pa.Schema, what: str) -> None:
+def _check_schema(
+    batch: pa.RecordBatch, expected: pa.Schema, what: Literal["write_history", "write_histograms"]
+) -> None:
     builder = "history_schema" if what == "write_history" else "histogram_schema"
     names = batch.schema.names
     if names != expected.names:
@@ -66,7 +59,7 @@ def _check_schema(batch: pa.RecordBatch, expected: pa.Schema, what: str) -> None
 
 
 def _report(directory: Path, failures: list[WriteFailure]) -> ArtifactWriteError:
-    lost: dict[str, int] = {}
+    lost: dict[Lost, int] = {}
     for f in failures:
         lost[f.what] = lost.get(f.what, 0) + f.rows_lost
     first = failures[0]
@@ -89,16 +82,13 @@ def _report(directory: Path, failures: list[WriteFailure]) -> ArtifactWriteError
 
 
 class DirectorySink:
-    """Writes a run's artifacts under ``output_dir`` (DESIGN §1, §3, §5 step 6).
+    """Writes a run's artifacts under ``output_dir`` (docs/artifacts.md).
 
     ``output_dir``: the run directory (``output_dir/rank-NNN`` when the run is rank-private).
     ``history_config``: part size and result.json window. ``overwrite``: replace the artifacts
     of a previous run in the same directory (only those; other files stay). Without it a
     directory holding a run is refused at ``open``, before anything is touched.
     """
-
-    accepts_background_writes = True
-    """Writes may come from the observer's emission worker (they only buffer under a lock)."""
 
     def __init__(
         self,
@@ -140,7 +130,7 @@ class DirectorySink:
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
-        self._barriers: list[Callable[[], None]] = []
+        self._barriers: list[Barrier] = []
 
     @property
     def directory(self) -> Path:
@@ -157,7 +147,12 @@ class DirectorySink:
 
     # -- Sink protocol ---------------------------------------------------------------------
 
-    def attach_barrier(self, barrier: Callable[[], None]) -> None:
+    def capabilities(self) -> SinkCapabilities:
+        """Writes may come from the observer's emission worker (they only buffer under a lock);
+        ``flush`` and the exit flush wait for the signals it has queued (``attach_barrier``)."""
+        return SinkCapabilities(background_writes=True, on_barrier=self.attach_barrier)
+
+    def attach_barrier(self, barrier: Barrier) -> None:
         """Called by an observer that writes from a background thread: ``flush`` (and the exit
         flush) first wait for the signals it has queued."""
         self._barriers.append(barrier)
@@ -200,7 +195,7 @@ class DirectorySink:
         except BaseException:
             remove_run_artifacts(directory)  # only what this open created
             raise
-        self._history_schema = history_schema(run.producer)
+        self._history_schema = history_schema(run.producer, window=self.history_config.window)
         self._histogram_schema = histogram_schema(run.producer)
         self._writer = PartWriter(
             directory,
@@ -308,7 +303,7 @@ class DirectorySink:
             )
         return self.output_dir / subdir
 
-    def _require_open(self, what: str) -> PartWriter:
+    def _require_open(self, what: _Method) -> PartWriter:
         if self._writer is None:
             raise RuntimeError(f"DirectorySink.{what} called before open()")
         if self._closed:

@@ -14,16 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from ti_io.layout import HISTORY_PARTS, RESULT_FILE, RUN_FILE, publish_text
-
-if TYPE_CHECKING:  # types only: importing ti_io must not import torch (ti_core does)
-    from ti_core.sink import RunInfo
+from ti_io.publishing import publish_text
+from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, RESULT_FILE, RUN_FILE
+from ti_schema.sink import RunInfo
 
 
 class LayerLike(Protocol):
-    """A catalog entry: ``ti_core.LayerInfo`` or :class:`CatalogLayer`."""
+    """A catalog entry: ``ti_schema.LayerInfo`` or :class:`CatalogLayer`."""
 
     @property
     def name(self) -> str: ...
@@ -139,8 +138,23 @@ def read_catalog(directory: Path) -> tuple[CatalogLayer, ...] | None:
     return tuple(layers)
 
 
+def footer_window(directory: Path) -> int | None:
+    """The ``window`` run fact in the ``ti`` footer of a finalized ``history.parquet`` (contract
+    1.1), or None (no such file, a 1.0 file, or unreadable)."""
+    import pyarrow.parquet as pq
+
+    from ti_schema import parse_metadata
+
+    try:
+        window = parse_metadata(pq.read_metadata(directory / HISTORY_FILE).metadata).get("window")
+    except (OSError, ValueError):
+        return None
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
+
+
 def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
-    """Facts of the run in ``directory`` from run.json and result.json (best effort)."""
+    """Facts of the run in ``directory`` from run.json and result.json (best effort); once the
+    run is finalized (run.json retired), its window from the footer of history.parquet."""
     try:
         doc = json.loads((directory / HISTORY_PARTS / RUN_FILE).read_text(encoding="utf-8"))
         if not isinstance(doc, dict):
@@ -148,7 +162,7 @@ def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
     except (OSError, ValueError):
         doc = {}
     settings = doc.get("settings")
-    stored_window = _opt_int(doc, "window")
+    stored_window = _opt_int(doc, "window") or footer_window(directory)
     facts = RunFacts(
         run_id=_opt_str(doc, "run_id"),
         rank=_opt_int(doc, "rank"),

@@ -20,7 +20,7 @@ from typing import Final
 import polars as pl
 
 from ti_io.facts import RunFacts, started_at_text
-from ti_io.layout import publish_text
+from ti_io.publishing import publish_text
 from ti_schema import METRIC_DEFINITIONS, SCHEMA_VERSION, histogram_schema, history_schema
 
 _MD_SPECIAL: Final[re.Pattern[str]] = re.compile(
@@ -347,8 +347,9 @@ def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live:
         "distribution of tensor entries): `observations` (samples with a value), "
         "`unavailable` (samples without), `mean`, `std` (population), `min`, `p25`, `p50`, "
         "`p75` (linear interpolation), `max`, `recent_window_mean` (mean of the last "
-        f"{window} observations in sample order), `previous_window_mean` (mean of the {window} "
-        "observations before those), and `unavailable_reason` (why an aggregate is null). "
+        f"{window} observations in sample order, or all of them when there are fewer), "
+        f"`previous_window_mean` (mean of the up to {window} observations before those; null "
+        "while there are none), and `unavailable_reason` (why an aggregate is null). "
         "For example `statistics.mean.p50` is the median of the sampled tensor means. "
         "Strict JSON: no NaN or Infinity.",
         "",

@@ -14,16 +14,24 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal, TypeAlias
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ti_io.errors import ArtifactWriteError
-from ti_io.layout import HISTOGRAM_PARTS, HISTORY_PARTS, part_name, publish_with
+from ti_io.publishing import publish_with
 from ti_io.tensorboard_sink import EventFileHistograms
+from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, part_name
 
 PART_COMPRESSION: Final[str] = "zstd"
+Lost = Literal["history rows", "histogram rows", "TensorBoard histograms", "final artifacts"]
+"""What a failed write cost, as the error message names it."""
+Chunk = Literal["history", "histograms", "flush"]
+"""What a queued item asks the writer to do."""
+Item: TypeAlias = tuple[Chunk, list[pa.RecordBatch]] | None
+"""A queued chunk, or None: publish what is pending and stop."""
+
 QUEUE_CHUNKS: Final[int] = 3
 """Chunks that may wait for the writer before the training thread blocks."""
 
@@ -35,7 +43,7 @@ class WriteFailure:
     path: Path
     cause: BaseException
     rows_lost: int
-    what: str
+    what: Lost
 
 
 def conform(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
@@ -83,9 +91,7 @@ class PartWriter:
         self._histogram_schema = histogram_schema
         self._histogram_part_rows = histogram_part_rows
         self._events = events
-        self._queue: queue.Queue[tuple[str, list[pa.RecordBatch]] | None] = queue.Queue(
-            QUEUE_CHUNKS
-        )
+        self._queue: queue.Queue[Item] = queue.Queue(QUEUE_CHUNKS)
         self._failures: list[WriteFailure] = []
         self._lock = threading.Lock()
         self._history_index = 0
@@ -126,7 +132,7 @@ class PartWriter:
             self._put(None)
             self._thread.join()
 
-    def _put(self, item: tuple[str, list[pa.RecordBatch]] | None) -> None:
+    def _put(self, item: Item) -> None:
         while True:
             try:
                 self._queue.put(item, timeout=1.0)
@@ -152,7 +158,7 @@ class PartWriter:
             finally:
                 self._queue.task_done()
 
-    def _handle(self, kind: str, batches: list[pa.RecordBatch]) -> None:
+    def _handle(self, kind: Chunk, batches: list[pa.RecordBatch]) -> None:
         if kind == "history":
             self._write_history(batches)
             self._flush_histograms()
@@ -165,7 +171,7 @@ class PartWriter:
             if self._pending_histogram_rows >= self._histogram_part_rows:
                 self._flush_histograms()
 
-    def _fail(self, path: Path, cause: BaseException, rows: int, what: str) -> None:
+    def _fail(self, path: Path, cause: BaseException, rows: int, what: Lost) -> None:
         with self._lock:
             self._failures.append(WriteFailure(path, cause, rows, what))
 

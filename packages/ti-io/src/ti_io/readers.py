@@ -7,7 +7,8 @@ from pathlib import Path
 
 import polars as pl
 
-from ti_io.layout import HISTORY_FILE, HISTORY_PARTS, RANK_DIR, list_parts
+from ti_schema import history_schema
+from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_parts, list_rank_dirs
 
 
 def scan_history(output_dir: str | os.PathLike[str]) -> pl.LazyFrame:
@@ -31,12 +32,10 @@ def scan_history(output_dir: str | os.PathLike[str]) -> pl.LazyFrame:
         return pl.scan_parquet([str(p) for p in parts])
     if (directory / HISTORY_PARTS).is_dir():
         # A live run that has not published its first part yet: an empty, typed frame.
-        from ti_schema import history_schema
-
         frame = pl.from_arrow(history_schema().empty_table())
         assert isinstance(frame, pl.DataFrame)
         return frame.lazy()
-    ranks = sorted(c.name for c in directory.iterdir() if RANK_DIR.fullmatch(c.name))
+    ranks = [child.name for _, child in list_rank_dirs(directory)]
     if ranks:
         raise FileNotFoundError(
             f"{directory} holds rank-private runs ({', '.join(ranks[:4])}"

@@ -3,9 +3,10 @@
 Aggregates describe the per-sample values of one metric of one tensor, ordered by
 ``sample_id`` (each sample weighs the same; these are not pooled tensor distributions).
 Unavailable samples (null ``value``) are counted and left out of every aggregate. The window
-means use the last ``window`` observations (``recent_window_mean``) and the ``window``
-observations before them (``previous_window_mean``). A null aggregate always comes with
-``unavailable_reason``; NaN and infinity are never written (strict JSON).
+means use the last ``min(observations, window)`` observations (``recent_window_mean``) and the
+up to ``window`` observations before them (``previous_window_mean``): short histories get
+partial windows, and a window mean is null only when its window is empty. A null aggregate
+always comes with ``unavailable_reason``; NaN and infinity are never written (strict JSON).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Final
 import polars as pl
 
 from ti_io.facts import LayerLike
-from ti_io.layout import publish_text
+from ti_io.publishing import publish_text
 from ti_schema import SIGNALS
 from ti_schema.result_json import AGGREGATE_KEYS
 
@@ -46,8 +47,8 @@ def window_ranks(keys: Sequence[str]) -> pl.Expr:
 def statistic_exprs(window: int) -> list[pl.Expr]:
     """Aggregates of ``value`` within one group, over a frame that has the ``_rank`` column of
     :func:`window_ranks`. Independent of row order: the windows are chosen by ``sample_id``
-    (unique within a group), quantiles are exact with linear interpolation. Short histories
-    get null windows in :func:`finish_statistics`."""
+    (unique within a group), quantiles are exact with linear interpolation. A short history
+    fills its windows partially (an empty window's mean is null)."""
     value = pl.col("value")
     rank = pl.col("_rank")
     return [
@@ -94,42 +95,28 @@ STATISTIC_KEYS: Final[tuple[str, ...]] = (
 
 def finish_statistics(aggregated: pl.DataFrame, window: int) -> pl.DataFrame:
     """Apply result.json's null rules to raw aggregates, vectorized: non-finite aggregates and
-    window means of too short histories become null, and ``unavailable_reason`` says why."""
+    the mean of an empty window become null, and ``unavailable_reason`` says why.
+
+    The recent window holds the last ``min(observations, window)`` observations, so it is empty
+    only when there is no observation (every aggregate is null then); the previous window holds
+    the up to ``window`` observations before those, empty while ``observations <= window``.
+    """
     observations = pl.col("observations")
-    short = {
-        "recent_window_mean": observations < window,
-        "previous_window_mean": observations < 2 * window,
-    }
-    nulled = {
-        key: pl.when(short[key]).then(None).otherwise(pl.col(key)) if key in short else pl.col(key)
-        for key in AGGREGATES
-    }
+    empty_previous = (observations > 0) & (observations <= window)
+    columns = {key: pl.col(key) for key in AGGREGATES}
     nonfinite = pl.concat_str(
         [
             pl.when(expr.is_not_null() & ~expr.is_finite()).then(pl.lit(key))
-            for key, expr in nulled.items()
+            for key, expr in columns.items()
         ],
         separator=", ",
         ignore_nulls=True,
     )
-    window_reason = (
-        pl.when(observations < window)
-        .then(
-            pl.format(
-                "window means need {} (recent) and {} (previous) observations; {} available",
-                pl.lit(window),
-                pl.lit(2 * window),
-                observations,
-            )
-        )
-        .when(observations < 2 * window)
-        .then(
-            pl.format(
-                "previous_window_mean needs {} observations ({} per window); {} available",
-                pl.lit(2 * window),
-                pl.lit(window),
-                observations,
-            )
+    window_reason = pl.when(empty_previous).then(
+        pl.format(
+            "previous_window_mean has no observations: all {} are in the recent window of {}",
+            observations,
+            pl.lit(window),
         )
     )
     others = pl.col("reasons") - 1
@@ -173,7 +160,7 @@ def finish_statistics(aggregated: pl.DataFrame, window: int) -> pl.DataFrame:
             .then(pl.when(expr.is_finite()).then(expr))
             .cast(pl.Float64)
             .alias(key)
-            for key, expr in nulled.items()
+            for key, expr in columns.items()
         ),
         pl.when(reason != "").then(reason).alias("unavailable_reason"),
     )

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -23,9 +23,7 @@ from tensorboard.compat.proto.summary_pb2 import HistogramProto
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from ti_io.tags import histogram_tag
-
-if TYPE_CHECKING:  # types only: importing ti_io must not import torch
-    from ti_core.sink import RunInfo
+from ti_schema.sink import RunInfo, SinkCapabilities
 
 
 @dataclass(frozen=True)
@@ -156,10 +154,6 @@ class TensorBoardSink:
     belongs to the caller. Scalar history is not written here; it stays in Parquet.
     """
 
-    accepts_background_writes = False
-    """Written on the training thread only: the caller may close its writer as soon as its
-    training loop ends (Lightning does), which a background write could outlive."""
-
     def __init__(self, logger: Any) -> None:
         if not (_is_writer(logger) or hasattr(logger, "experiment")):
             raise TypeError(
@@ -169,6 +163,12 @@ class TensorBoardSink:
             )
         self._logger = logger
         self._writer: Any = None
+
+    def capabilities(self) -> SinkCapabilities:
+        """Written on the training thread only (the defaults): the caller may close its writer
+        as soon as its training loop ends (Lightning does), which a background write could
+        outlive."""
+        return SinkCapabilities(background_writes=False)
 
     def open(self, run: RunInfo) -> None:
         """Resolve the writer (a Lightning logger creates its experiment lazily)."""

@@ -1,9 +1,21 @@
-"""ti-schema: the TorchInstruments data contract (pyarrow only, never torch)."""
+"""ti-schema: the TorchInstruments data contract (pyarrow only, never torch).
+
+The Arrow schemas, names and versioning of the data; the producer/sink contract (``Sink``,
+``RunInfo``, ``RankPolicy``, ...); the on-disk layout of a run (:mod:`ti_schema.layout`);
+validators, the artifact-directory checker (:mod:`ti_schema.artifacts`) and a conformance kit
+(:mod:`ti_schema.testing`).
+"""
 
 from __future__ import annotations
 
-from ti_schema.compat import KNOWN_VERSIONS, check_compatible, parse_metadata, parse_version
-from ti_schema.errors import MISMATCH_KINDS, Mismatch, SchemaMismatchError
+from ti_schema.compat import (
+    KNOWN_VERSIONS,
+    OPTIONAL_KEYS,
+    check_compatible,
+    parse_metadata,
+    parse_version,
+)
+from ti_schema.errors import MISMATCH_KINDS, Mismatch, MismatchKind, SchemaMismatchError
 from ti_schema.interop import footer_metadata, large_types, polars_write_options
 from ti_schema.names import (
     DEFAULT_METRICS,
@@ -12,7 +24,10 @@ from ti_schema.names import (
     METRIC_DEFINITIONS,
     MODES,
     SIGNALS,
+    Mode,
+    Signal,
 )
+from ti_schema.ranks import RankPolicy, RankSelection
 from ti_schema.result_json import RESULT_JSON_SCHEMA, validate_result_json
 from ti_schema.schemas import (
     DICTIONARY_COLUMNS,
@@ -20,9 +35,22 @@ from ti_schema.schemas import (
     HISTORY,
     IDENTITY_COLUMNS,
     METADATA_KEY,
+    PLACEHOLDERS,
+    SCHEMA_NAMES,
+    UNRECORDABLE_COLUMNS,
+    SchemaName,
     histogram_schema,
     history_schema,
     schema_metadata,
+)
+from ti_schema.sink import (
+    Barrier,
+    DeclaresCapabilities,
+    LayerInfo,
+    RunInfo,
+    Sink,
+    SinkCapabilities,
+    sink_capabilities,
 )
 from ti_schema.validate import type_matches, validate_histograms, validate_history
 from ti_schema.version import SCHEMA_VERSION
@@ -40,11 +68,27 @@ __all__ = [
     "METRIC_DEFINITIONS",
     "MISMATCH_KINDS",
     "MODES",
+    "OPTIONAL_KEYS",
+    "PLACEHOLDERS",
     "RESULT_JSON_SCHEMA",
+    "SCHEMA_NAMES",
     "SCHEMA_VERSION",
     "SIGNALS",
+    "UNRECORDABLE_COLUMNS",
+    "Barrier",
+    "DeclaresCapabilities",
+    "LayerInfo",
     "Mismatch",
+    "MismatchKind",
+    "Mode",
+    "RankPolicy",
+    "RankSelection",
+    "RunInfo",
     "SchemaMismatchError",
+    "SchemaName",
+    "Signal",
+    "Sink",
+    "SinkCapabilities",
     "check_compatible",
     "footer_metadata",
     "histogram_schema",
@@ -54,6 +98,7 @@ __all__ = [
     "parse_version",
     "polars_write_options",
     "schema_metadata",
+    "sink_capabilities",
     "type_matches",
     "validate_histograms",
     "validate_history",

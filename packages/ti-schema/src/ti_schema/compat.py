@@ -15,17 +15,27 @@ from typing import Any, Final, TypeAlias
 import pyarrow as pa
 
 from ti_schema.errors import Mismatch, SchemaMismatchError
-from ti_schema.schemas import HISTOGRAMS, HISTORY, METADATA_KEY
+from ti_schema.schemas import (
+    HISTOGRAMS,
+    HISTORY,
+    METADATA_KEY,
+    UNRECORDABLE_COLUMNS,
+    SchemaName,
+    check_schema_name,
+)
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_VERSION
 
-KNOWN_VERSIONS: Final[dict[str, tuple[str, ...]]] = {
-    HISTORY: (SCHEMA_VERSION,),
-    HISTOGRAMS: (SCHEMA_VERSION,),
+KNOWN_VERSIONS: Final[dict[SchemaName, tuple[str, ...]]] = {
+    HISTORY: ("1.0", SCHEMA_VERSION),
+    HISTOGRAMS: ("1.0", SCHEMA_VERSION),
 }
 """Every contract version this reader was written against, per schema name."""
 
 REQUIRED_KEYS: Final[tuple[str, ...]] = ("schema", "schema_version", "producer")
-"""Keys of the ``ti`` metadata JSON object."""
+"""Keys every ``ti`` metadata JSON object has."""
+OPTIONAL_KEYS: Final[tuple[str, ...]] = ("window", "upgraded_from", "unrecorded")
+"""Run facts a ``ti`` metadata object may add (schema 1.1; see ``ti_schema.schema_metadata``).
+Other keys are ignored, so a newer minor may add more."""
 
 _VERSION: Final[re.Pattern[str]] = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
 
@@ -100,8 +110,40 @@ def parse_metadata(source: MetadataSource) -> dict[str, Any]:
     return doc
 
 
+def _fact_problems(doc: Mapping[str, Any], where: str) -> list[Mismatch]:
+    """Problems of the optional run facts (:data:`OPTIONAL_KEYS`) that ``doc`` holds."""
+    problems = []
+    window = doc.get("window")
+    if "window" in doc and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        problems.append(
+            Mismatch("foreign_metadata", where, f"'window' must be an int >= 1, got {window!r}")
+        )
+    upgraded = doc.get("upgraded_from")
+    if "upgraded_from" in doc and (not isinstance(upgraded, str) or not upgraded):
+        problems.append(
+            Mismatch(
+                "foreign_metadata",
+                where,
+                f"'upgraded_from' must be a non-empty string, got {upgraded!r}",
+            )
+        )
+    unrecorded = doc.get("unrecorded")
+    if "unrecorded" in doc and (
+        not isinstance(unrecorded, list) or any(c not in UNRECORDABLE_COLUMNS for c in unrecorded)
+    ):
+        problems.append(
+            Mismatch(
+                "foreign_metadata",
+                where,
+                f"'unrecorded' must be a list drawn from {list(UNRECORDABLE_COLUMNS)}, "
+                f"got {unrecorded!r}",
+            )
+        )
+    return problems
+
+
 def version_problems(
-    doc: Mapping[str, Any], expected: str
+    doc: Mapping[str, Any], expected: SchemaName
 ) -> tuple[tuple[int, int] | None, list[Mismatch]]:
     """Check a decoded ``ti`` object against schema ``expected``: its version and problems."""
     problems: list[Mismatch] = []
@@ -121,6 +163,7 @@ def version_problems(
                 + (" (use the matching validate_* function)" if name in KNOWN_VERSIONS else ""),
             )
         )
+    problems += _fact_problems(doc, where)
     raw_version = doc.get("schema_version")
     if not isinstance(raw_version, str) or not raw_version:
         return None, problems
@@ -147,13 +190,14 @@ def version_problems(
     return version, problems
 
 
-def check_compatible(source: MetadataSource, expected: str = HISTORY) -> tuple[int, int]:
+def check_compatible(source: MetadataSource, expected: SchemaName = HISTORY) -> tuple[int, int]:
     """Decide from its ``ti`` metadata whether this reader may read ``source`` as ``expected``.
 
     Returns the data's ``(major, minor)``: any minor of this reader's major is accepted (a newer
     minor may only have added nullable columns, which the ``validate_*`` functions check).
     Raises :class:`SchemaMismatchError` for missing or foreign metadata and for another major.
     """
+    expected = check_schema_name(expected, "check_compatible(expected)")
     doc, problems = read_metadata(source)
     version = None
     if doc is not None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal, get_args
 
-MISMATCH_KINDS: Final[tuple[str, ...]] = (
+MismatchKind = Literal[
     "missing_column",
     "extra_column",
     "duplicate_column",
@@ -17,7 +17,10 @@ MISMATCH_KINDS: Final[tuple[str, ...]] = (
     "unsupported_version",
     "data",
     "json",
-)
+]
+"""The kind of one problem (:attr:`Mismatch.kind`)."""
+
+MISMATCH_KINDS: Final[tuple[MismatchKind, ...]] = get_args(MismatchKind)
 """Every value :attr:`Mismatch.kind` takes, so callers can branch on the kind of problem."""
 
 
@@ -25,7 +28,7 @@ MISMATCH_KINDS: Final[tuple[str, ...]] = (
 class Mismatch:
     """One problem: its kind (one of :data:`MISMATCH_KINDS`), where it is, and what to do."""
 
-    kind: str
+    kind: MismatchKind
     where: str
     message: str
 
@@ -45,6 +48,6 @@ class SchemaMismatchError(ValueError):
         super().__init__(f"{subject} does not conform ({count} {noun}):\n{lines}")
 
     @property
-    def kinds(self) -> frozenset[str]:
+    def kinds(self) -> frozenset[MismatchKind]:
         """The distinct kinds of problem found."""
         return frozenset(m.kind for m in self.mismatches)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal, get_args
 
-SIGNALS: Final[tuple[str, ...]] = ("output", "output_gradient")
+Signal = Literal["output", "output_gradient"]
+"""A value of the ``signal`` column."""
+Mode = Literal["train", "eval"]
+"""A value of the ``mode`` column."""
+
+SIGNALS: Final[tuple[Signal, ...]] = get_args(Signal)
 """Values of the ``signal`` column: a module's output, and the gradient with respect to it."""
 
-MODES: Final[tuple[str, ...]] = ("train", "eval")
+MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 """Values of the ``mode`` column: the module's own ``training`` flag at the call."""
 
 FINITE_METRICS: Final[tuple[str, ...]] = ("mean", "std", "min", "max", "p25", "p50", "p75")

@@ -1,14 +1,17 @@
-"""result.json: its JSON Schema (draft 2020-12) and a dependency-free validator (DESIGN §3.3).
+"""result.json: its JSON Schema (draft 2020-12) and a dependency-free validator.
 
 result.json is a JSON array of layer records; each lists the measured tensors of the layer with
 per-metric aggregates of the per-sample values. Strict JSON: no NaN or Infinity, and every null
-aggregate carries an ``unavailable_reason``.
+aggregate carries an ``unavailable_reason``. Described in docs/data-contract.md.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+from pathlib import Path
 from typing import Any, Final
 
 from ti_schema.errors import Mismatch, SchemaMismatchError
@@ -254,6 +257,15 @@ class _Walker:
                 f"must be a string: {null_aggregates} are null and a null aggregate carries a "
                 "reason",
             )
+
+
+def _no_constants(token: str) -> Any:
+    raise ValueError(f"{token} is not strict JSON (write null with an unavailable_reason)")
+
+
+def load_strict_json(path: str | os.PathLike[str]) -> Any:
+    """Parse a JSON file, refusing the NaN/Infinity tokens Python's json module accepts."""
+    return json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constants)
 
 
 def result_json_problems(data: Any) -> list[Mismatch]:

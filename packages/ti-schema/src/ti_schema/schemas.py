@@ -1,20 +1,39 @@
-"""The Arrow schemas of the contract: ``ti.history`` and ``ti.histograms`` (DESIGN §3)."""
+"""The Arrow schemas of the contract, ``ti.history`` and ``ti.histograms`` (docs/data-contract.md).
+
+Each column has a one-line doc in its field metadata; the ``ti`` schema metadata names the schema,
+the contract version and the producer.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from importlib import metadata
-from typing import Final
+from typing import Final, Literal, get_args
 
 import pyarrow as pa
 
 from ti_schema.version import SCHEMA_VERSION
 
 METADATA_KEY: Final[bytes] = b"ti"
-"""The single schema-metadata key; its value is JSON ``{schema, schema_version, producer}``."""
+"""The single schema-metadata key; its value is JSON ``{schema, schema_version, producer}`` plus
+the optional run facts of schema 1.1 (``window``, ``upgraded_from``, ``unrecorded``)."""
 
-HISTORY: Final[str] = "ti.history"
-HISTOGRAMS: Final[str] = "ti.histograms"
+SchemaName = Literal["ti.history", "ti.histograms"]
+"""The name of a contract schema, as the ``schema`` key of the ``ti`` metadata says it."""
+
+HISTORY: Final = "ti.history"
+HISTOGRAMS: Final = "ti.histograms"
+SCHEMA_NAMES: Final[tuple[SchemaName, ...]] = get_args(SchemaName)
+
+
+def check_schema_name(name: object, argument: str) -> SchemaName:
+    """``name`` when it names a contract schema; else a ValueError naming ``argument``."""
+    for known in SCHEMA_NAMES:
+        if name == known:
+            return known
+    raise ValueError(f"{argument} must be one of {list(SCHEMA_NAMES)}, got {name!r}")
+
 
 # (name, type, nullable, one-line doc). The identity columns are shared by both schemas.
 _IDENTITY: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
@@ -101,34 +120,106 @@ def default_producer() -> str:
         return "ti-schema unknown"
 
 
-def schema_metadata(schema_name: str, producer: str | None = None) -> dict[bytes, bytes]:
-    """The ``ti`` schema-metadata entry for ``schema_name`` written by ``producer``."""
-    doc = {
-        "schema": schema_name,
+UNRECORDABLE_COLUMNS: Final[tuple[str, ...]] = (
+    "run_id",
+    "rank",
+    "mode",
+    "grad_enabled",
+    "module_type",
+)
+"""Identity columns a producer may list in the ``unrecorded`` metadata key (schema 1.1): data
+converted from a producer that never recorded them (``ti upgrade`` of a torchinstruments 0.8.0
+run) holds :data:`PLACEHOLDERS` there instead of measurements."""
+
+PLACEHOLDERS: Final[dict[str, object]] = {
+    "rank": 0,
+    "mode": "train",
+    "grad_enabled": True,
+    "module_type": "",
+}
+"""The value an ``unrecorded`` column holds in every row (``run_id`` is chosen by the producer,
+one per converted run). They carry no information: filter on them only knowing that."""
+
+
+def schema_metadata(
+    schema_name: SchemaName,
+    producer: str | None = None,
+    *,
+    window: int | None = None,
+    upgraded_from: str | None = None,
+    unrecorded: Sequence[str] = (),
+) -> dict[bytes, bytes]:
+    """The ``ti`` schema-metadata entry for ``schema_name`` written by ``producer``.
+
+    Optional run facts (schema 1.1, written only when given): ``window``, the observations per
+    window of result.json's window means; ``upgraded_from``, the producer whose artifacts this
+    data was converted from; ``unrecorded``, the :data:`UNRECORDABLE_COLUMNS` that producer
+    never recorded (they hold :data:`PLACEHOLDERS`).
+    """
+    doc: dict[str, object] = {
+        "schema": check_schema_name(schema_name, "schema_metadata(schema_name)"),
         "schema_version": SCHEMA_VERSION,
         "producer": producer or default_producer(),
     }
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window= must be a positive int, got {window!r}")
+        doc["window"] = window
+    if upgraded_from is not None:
+        if not isinstance(upgraded_from, str) or not upgraded_from:
+            raise ValueError(f"upgraded_from= must be a non-empty string, got {upgraded_from!r}")
+        doc["upgraded_from"] = upgraded_from
+    if unrecorded:
+        unknown = [c for c in unrecorded if c not in UNRECORDABLE_COLUMNS]
+        if unknown or isinstance(unrecorded, str):
+            raise ValueError(
+                f"unrecorded= lists {unknown or unrecorded!r}; only {list(UNRECORDABLE_COLUMNS)} "
+                "may be marked unrecorded"
+            )
+        doc["unrecorded"] = [c for c in UNRECORDABLE_COLUMNS if c in unrecorded]
     return {METADATA_KEY: json.dumps(doc, separators=(",", ":")).encode()}
 
 
 def _build(
-    name: str, columns: tuple[tuple[str, pa.DataType, bool, str], ...], producer: str | None
+    columns: tuple[tuple[str, pa.DataType, bool, str], ...],
+    metadata: dict[bytes, bytes],
 ) -> pa.Schema:
     fields = [
         pa.field(col, typ, nullable=nullable, metadata={b"doc": doc.encode()})
         for col, typ, nullable, doc in columns
     ]
-    return pa.schema(fields, metadata=schema_metadata(name, producer))
+    return pa.schema(fields, metadata=metadata)
 
 
-def history_schema(producer: str | None = None) -> pa.Schema:
-    """The ``ti.history`` schema: one row per scalar measurement (DESIGN §3.1)."""
-    return _build(HISTORY, _IDENTITY + _HISTORY_VALUES, producer)
+def history_schema(
+    producer: str | None = None,
+    *,
+    window: int | None = None,
+    upgraded_from: str | None = None,
+    unrecorded: Sequence[str] = (),
+) -> pa.Schema:
+    """The ``ti.history`` schema: one row per scalar measurement.
+
+    The keyword-only run facts go into the ``ti`` metadata (see :func:`schema_metadata`).
+    """
+    meta = schema_metadata(
+        HISTORY, producer, window=window, upgraded_from=upgraded_from, unrecorded=unrecorded
+    )
+    return _build(_IDENTITY + _HISTORY_VALUES, meta)
 
 
-def histogram_schema(producer: str | None = None) -> pa.Schema:
+def histogram_schema(
+    producer: str | None = None,
+    *,
+    window: int | None = None,
+    upgraded_from: str | None = None,
+    unrecorded: Sequence[str] = (),
+) -> pa.Schema:
     """The ``ti.histograms`` schema: one row per histogram of a focus-layer tensor."""
-    return _build(HISTOGRAMS, _IDENTITY + _HISTOGRAM_VALUES, producer)
+    meta = schema_metadata(
+        HISTOGRAMS, producer, window=window, upgraded_from=upgraded_from, unrecorded=unrecorded
+    )
+    return _build(_IDENTITY + _HISTOGRAM_VALUES, meta)
 
 
 IDENTITY_COLUMNS: Final[tuple[str, ...]] = tuple(c[0] for c in _IDENTITY)

@@ -2,34 +2,28 @@
 
 Each ``assert_*`` raises AssertionError listing every problem (the SchemaMismatchError is
 chained), so it reads well in pytest. ``example_history_table`` and
-``example_histogram_table`` build small valid tables for people writing readers.
+``example_histogram_table`` build small valid tables for people writing readers, and
+``example_run_info`` the RunInfo to open a sink with before feeding it those tables.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Callable
+import os
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from ti_schema.artifacts import artifact_dir_problems
 from ti_schema.errors import SchemaMismatchError
+from ti_schema.layout import HISTOGRAMS_FILE, HISTORY_FILE, INDEX_FILE, RESULT_FILE
 from ti_schema.names import DEFAULT_METRICS, FINITE_METRICS
-from ti_schema.result_json import result_json_problems
+from ti_schema.result_json import load_strict_json, result_json_problems
 from ti_schema.schemas import DICTIONARY_COLUMNS, histogram_schema, history_schema
+from ti_schema.sink import LayerInfo, RunInfo
 from ti_schema.validate import Nullability, validate_histograms, validate_history
-
-HISTORY_FILE: Final[str] = "history.parquet"
-HISTOGRAMS_FILE: Final[str] = "histograms.parquet"
-RESULT_FILE: Final[str] = "result.json"
-INDEX_FILE: Final[str] = "index.md"
-PARTS_DIR: Final[str] = "history.parts"
-RANK_DIR: Final[re.Pattern[str]] = re.compile(r"rank-(\d{3,})")
-"""Rank-private subdirectories: ``rank-000``, ``rank-001``, ..."""
 
 
 def _fail(error: SchemaMismatchError) -> AssertionError:
@@ -52,18 +46,9 @@ def assert_histograms_conform(table: Any, *, nullability: Nullability = "schema"
         raise _fail(error) from error
 
 
-def _no_constants(token: str) -> Any:
-    raise ValueError(f"{token} is not strict JSON (write null with an unavailable_reason)")
-
-
-def load_strict_json(path: str | Path) -> Any:
-    """Parse a JSON file, refusing the NaN/Infinity tokens Python's json module accepts."""
-    return json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constants)
-
-
-def assert_result_json_conforms(path_or_obj: str | Path | Any) -> None:
-    """Assert a result.json file (str or Path) or its parsed content conforms."""
-    if isinstance(path_or_obj, str | Path):
+def assert_result_json_conforms(path_or_obj: str | os.PathLike[str] | Any) -> None:
+    """Assert a result.json file (str or path) or its parsed content conforms."""
+    if isinstance(path_or_obj, str | os.PathLike):
         try:
             data = load_strict_json(path_or_obj)
         except (OSError, ValueError) as exc:
@@ -76,82 +61,24 @@ def assert_result_json_conforms(path_or_obj: str | Path | Any) -> None:
         raise _fail(error) from error
 
 
-def _check_parquet(
-    path: Path,
-    validate: Callable[..., None],
-    rank: int | None,
-    problems: list[str],
-) -> None:
-    try:
-        table = pq.read_table(path)
-        footer = pq.read_metadata(path).metadata
-    except (OSError, pa.ArrowException) as exc:
-        problems.append(f"{path}: cannot be read as Parquet ({exc})")
-        return
-    try:
-        # The Parquet footer holds `ti` whoever wrote the file; pyarrow's reconstructed Arrow
-        # schema lacks it for files written by Polars.
-        validate(table, metadata=footer)
-    except SchemaMismatchError as error:
-        problems.extend(f"{path}: {m}" for m in error.mismatches)
-    if rank is not None and "rank" in table.column_names and table.num_rows:
-        ranks = sorted(set(table.column("rank").to_pylist()) - {None})
-        if ranks != [rank]:
-            problems.append(f"{path}: sits in rank-{rank:03d}/ but holds rank values {ranks}")
+def assert_artifact_dir_conforms(path: str | os.PathLike[str], *, allow_live: bool = False) -> None:
+    """Assert a run directory holds conforming artifacts (the checks of ``ti validate``).
 
-
-def _check_run_dir(directory: Path, rank: int | None, problems: list[str]) -> None:
-    history = directory / HISTORY_FILE
-    if history.is_file():
-        _check_parquet(history, validate_history, rank, problems)
-    elif (directory / PARTS_DIR).is_dir():
-        problems.append(
-            f"{history}: missing; {PARTS_DIR}/ is there, so the run was not consolidated "
-            "(run `ti consolidate DIR`)"
-        )
-    else:
-        problems.append(f"{history}: missing")
-    histograms = directory / HISTOGRAMS_FILE
-    if histograms.is_file():
-        _check_parquet(histograms, validate_histograms, rank, problems)
-    result = directory / RESULT_FILE
-    if not result.is_file():
-        problems.append(f"{result}: missing")
-    else:
-        try:
-            data = load_strict_json(result)
-        except ValueError as exc:
-            problems.append(f"{result}: not strict JSON ({exc})")
-        else:
-            problems.extend(f"{result}: {m}" for m in result_json_problems(data))
-    if not (directory / INDEX_FILE).is_file():
-        problems.append(f"{directory / INDEX_FILE}: missing")
-
-
-def assert_artifact_dir_conforms(path: str | Path) -> None:
-    """Assert a run directory holds conforming artifacts.
-
-    A run directory holds history.parquet, result.json and index.md (histograms.parquet is
-    checked when present). A directory of rank-private runs (``rank-000/``, ``rank-001/``...)
-    is checked rank by rank, and each rank's rows must carry its own ``rank``.
+    A run directory holds history.parquet, result.json and index.md (histograms.parquet and
+    parts are checked when present). A directory of rank-private runs (``rank-000/``,
+    ``rank-001/``...) is checked rank by rank, and each rank's rows must carry its own
+    ``rank``. ``allow_live=True`` also accepts a run not consolidated yet (parts only).
+    See :func:`ti_schema.artifacts.artifact_dir_problems`.
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise AssertionError(f"{root} is not a directory")
-    ranks = sorted(
-        (int(m.group(1)), child)
-        for child in root.iterdir()
-        if child.is_dir() and (m := RANK_DIR.fullmatch(child.name))
-    )
-    problems: list[str] = []
-    if ranks:
-        for rank, child in ranks:
-            _check_run_dir(child, rank, problems)
-    else:
-        _check_run_dir(root, None, problems)
+    try:
+        problems = artifact_dir_problems(path, allow_live=allow_live)
+    except NotADirectoryError as exc:
+        raise AssertionError(str(exc)) from exc
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
-        raise AssertionError(f"{root} does not conform ({len(problems)} problems):\n{listing}")
+        raise AssertionError(
+            f"{Path(path)} does not conform ({len(problems)} problems):\n{listing}"
+        )
 
 
 _LAYERS: Final[tuple[tuple[str, str], ...]] = (
@@ -160,6 +87,31 @@ _LAYERS: Final[tuple[tuple[str, str], ...]] = (
     ("head", "Linear"),
 )
 _START: Final[datetime] = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def example_run_info(
+    *,
+    producer: str = "ti-schema example",
+    rank: int = 0,
+    rank_subdir: str | None = None,
+    metrics: Sequence[str] = DEFAULT_METRICS,
+) -> RunInfo:
+    """The :class:`~ti_schema.RunInfo` of the run the example tables describe, to open a sink
+    with in tests: layers ``encoder.0`` (Linear), ``encoder.1`` (ReLU) and ``head`` (Linear),
+    all three focus layers, run id ``example-run``."""
+    return RunInfo(
+        run_id="example-run",
+        rank=rank,
+        world_size=rank + 1,
+        producer=producer,
+        started_at=_START,
+        layers=tuple(LayerInfo(name, module_type) for name, module_type in _LAYERS),
+        focus_layers=tuple(name for name, _ in _LAYERS),
+        metrics=tuple(metrics),
+        sampler="EveryNForwardsSampler(n=2)",
+        rank_subdir=rank_subdir,
+        settings={"error_policy": "warn"},
+    )
 
 
 def _tensors() -> Any:
@@ -287,5 +239,6 @@ __all__ = [
     "assert_result_json_conforms",
     "example_histogram_table",
     "example_history_table",
+    "example_run_info",
     "load_strict_json",
 ]

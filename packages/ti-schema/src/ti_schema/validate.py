@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from ti_schema.compat import MetadataSource, read_metadata, version_problems
 from ti_schema.errors import Mismatch, SchemaMismatchError
 from ti_schema.names import MODES, SIGNALS
-from ti_schema.schemas import HISTOGRAMS, HISTORY, histogram_schema, history_schema
+from ti_schema.schemas import HISTOGRAMS, HISTORY, SchemaName, histogram_schema, history_schema
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_MINOR
 
 Nullability = Literal["schema", "data"]
@@ -35,7 +35,7 @@ _NON_NEGATIVE: Final[tuple[str, ...]] = ("rank", "sample_id", "forward_index", "
 class Contract:
     """What one schema version requires; ``added_in`` maps a column to the minor that added it."""
 
-    name: str
+    name: SchemaName
     schema: pa.Schema
     version: tuple[int, int] = (SCHEMA_MAJOR, SCHEMA_MINOR)
     added_in: Mapping[str, int] = field(default_factory=dict)

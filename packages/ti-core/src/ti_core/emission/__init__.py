@@ -8,5 +8,6 @@ Knows nothing of hooks or sampling. Modules, in the order a signal passes throug
 - :mod:`~ti_core.emission.writer`: ``EndedSignal`` and ``SignalWriter`` (reduce, build the
   record batches, write).
 - :mod:`~ti_core.emission.sinks`: ``SinkFanout`` (every write and the one close of each sink)
-  and ``sink_capabilities`` (the optional parts of the ``Sink`` protocol a sink declares).
+  and ``read_capabilities`` (what each sink declares through ti-schema's
+  ``SinkCapabilities``, read once per run).
 """

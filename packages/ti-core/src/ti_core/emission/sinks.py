@@ -12,44 +12,47 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from typing import Literal
 
 import pyarrow as pa
 
 from ti_core.errors import SINK_CONSEQUENCE, ErrorPolicy
-from ti_core.sink import Sink
+from ti_core.sink import Barrier, Sink, SinkCapabilities, sink_capabilities
 
 SinkAction = Literal["writing to", "closing"]
 """What was being done to a sink when it failed (the start of the warning's stage)."""
 
 
-class SinkCapabilities(NamedTuple):
-    """The optional parts of the ``Sink`` protocol one sink declares."""
-
-    background_writes: bool
-    """Its writes may come from the observer's emission worker (they are thread-safe)."""
-    attach_barrier: Callable[[Callable[[], None]], None] | None
-    """Receives a callable that waits for the observer's queued signals (before reads)."""
-
-
-def sink_capabilities(sink: Sink) -> SinkCapabilities:
-    """What ``sink`` declares beyond the ``Sink`` protocol (the one place that asks)."""
-    return SinkCapabilities(
-        background_writes=bool(getattr(sink, "accepts_background_writes", False)),
-        attach_barrier=getattr(sink, "attach_barrier", None),
-    )
+def read_capabilities(sinks: Sequence[Sink]) -> tuple[SinkCapabilities, ...]:
+    """What each sink declares beyond the ``Sink`` protocol, in order: read once per run, at
+    injection, through ti-schema's :func:`~ti_schema.sink_capabilities` (a sink without a
+    ``capabilities()`` method gets the defaults; a malformed declaration raises TypeError
+    naming the sink). Nothing else in ti-core asks a sink what it supports."""
+    return tuple(sink_capabilities(sink) for sink in sinks)
 
 
 class SinkFanout:
     """Hands each record batch to every sink, in order; one sink's failure spares the others."""
 
-    def __init__(self, sinks: Sequence[Sink], errors: ErrorPolicy) -> None:
+    def __init__(
+        self, sinks: Sequence[Sink], capabilities: Sequence[SinkCapabilities], errors: ErrorPolicy
+    ) -> None:
+        if len(capabilities) != len(sinks):
+            raise ValueError("SinkFanout needs one SinkCapabilities per sink")
         self.sinks = tuple(sinks)
+        self.capabilities = tuple(capabilities)
+        """Each sink's declaration (:func:`read_capabilities`), in the order of ``sinks``."""
         self._errors = errors
         self._lock = threading.Lock()
         self._closed = False
         _fanouts.add(self)
+
+    def offer_barrier(self, barrier: Barrier) -> None:
+        """Hand ``barrier`` to every sink that declared ``on_barrier`` (once, at attach)."""
+        for declared in self.capabilities:
+            if declared.on_barrier is not None:
+                declared.on_barrier(barrier)
 
     def write_history(self, batch: pa.RecordBatch) -> None:
         """Give one ``ti.history`` batch to every sink (dropped once the sinks are closed)."""
@@ -114,4 +117,4 @@ if hasattr(os, "register_at_fork"):  # POSIX; spawned processes start clean anyw
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["SinkAction", "SinkCapabilities", "SinkFanout", "sink_capabilities"]
+__all__ = ["SinkAction", "SinkFanout", "read_capabilities"]

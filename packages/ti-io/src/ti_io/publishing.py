@@ -1,9 +1,10 @@
-"""Names of the artifacts in a run directory, and atomic publication of files.
+"""Atomic publication of a run's files, and removal of exactly the files a run owns.
 
 Every file a reader may open is written under a temporary name in the same directory, fsynced,
 then renamed over its final name (``os.replace``), so a reader (or a process killed with
 SIGKILL) only ever sees complete files. Temporary names start with ``.`` and end in
-``.ti-tmp`` so globs such as ``*.parquet`` never match them.
+``.ti-tmp`` so globs such as ``*.parquet`` never match them. The names of the files and their
+layout are ti-schema's (:mod:`ti_schema.layout`).
 """
 
 from __future__ import annotations
@@ -17,52 +18,30 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
-HISTORY_FILE: Final[str] = "history.parquet"
-HISTOGRAMS_FILE: Final[str] = "histograms.parquet"
-RESULT_FILE: Final[str] = "result.json"
-INDEX_FILE: Final[str] = "index.md"
-HISTORY_PARTS: Final[str] = "history.parts"
-HISTOGRAM_PARTS: Final[str] = "histograms.parts"
-TENSORBOARD_DIR: Final[str] = "tensorboard"
-RUN_FILE: Final[str] = "run.json"
-"""Run facts kept inside ``history.parts/`` while the run is unconsolidated."""
+from ti_schema.layout import (
+    HISTOGRAM_PARTS,
+    HISTORY_PARTS,
+    PART_PATTERN,
+    RUN_ENTRIES,
+    RUN_FILE,
+    RUN_FILES,
+    TENSORBOARD_DIR,
+)
 
-FILES: Final[tuple[str, ...]] = (HISTORY_FILE, HISTOGRAMS_FILE, RESULT_FILE, INDEX_FILE)
-DIRS: Final[tuple[str, ...]] = (HISTORY_PARTS, HISTOGRAM_PARTS, TENSORBOARD_DIR)
-ARTIFACTS: Final[tuple[str, ...]] = FILES + DIRS
-"""Every top-level entry a run owns; their presence marks a directory as holding a run."""
-
-PART: Final[re.Pattern[str]] = re.compile(r"part-(\d{6,})\.parquet")
 TEMP: Final[re.Pattern[str]] = re.compile(r"\..+\.ti-tmp")
+"""Our temporaries (see :func:`temp_path`)."""
 EVENTS: Final[re.Pattern[str]] = re.compile(r"events\.out\.tfevents\..+")
-RANK_DIR: Final[re.Pattern[str]] = re.compile(r"rank-\d{3,}")
+"""TensorBoard event files, which a run owns inside ``tensorboard/``."""
 
 _counter = itertools.count()
 _counter_lock = threading.Lock()
-
-
-def part_name(index: int) -> str:
-    """File name of part ``index``: ``part-000042.parquet`` (sorts numerically up to 10**6)."""
-    return f"part-{index:06d}.parquet"
-
-
-def list_parts(directory: Path) -> list[Path]:
-    """Published parts in ``directory``, in part order; temporaries and strangers ignored."""
-    if not directory.is_dir():
-        return []
-    found = []
-    for child in directory.iterdir():
-        match = PART.fullmatch(child.name)
-        if match and child.is_file():
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
 
 
 def present_artifacts(directory: Path) -> list[str]:
     """Names of the run artifacts that exist in ``directory`` (temporaries included)."""
     if not directory.is_dir():
         return []
-    names = [name for name in ARTIFACTS if (directory / name).exists()]
+    names = [name for name in RUN_ENTRIES if (directory / name).exists()]
     names += sorted(c.name for c in directory.iterdir() if TEMP.fullmatch(c.name))
     return names
 
@@ -124,7 +103,7 @@ def remove_run_artifacts(directory: Path) -> None:
     Parts, run facts, TensorBoard event files and our temporaries go; a directory of ours is
     removed only once empty, so a stranger's file inside it survives.
     """
-    for name in FILES:
+    for name in RUN_FILES:
         with contextlib.suppress(FileNotFoundError):
             (directory / name).unlink()
     for child in list(directory.iterdir()) if directory.is_dir() else []:
@@ -134,8 +113,8 @@ def remove_run_artifacts(directory: Path) -> None:
             else:
                 child.unlink()
     for name, owned in (
-        (HISTORY_PARTS, (PART, TEMP, re.compile(re.escape(RUN_FILE)))),
-        (HISTOGRAM_PARTS, (PART, TEMP)),
+        (HISTORY_PARTS, (PART_PATTERN, TEMP, re.compile(re.escape(RUN_FILE)))),
+        (HISTOGRAM_PARTS, (PART_PATTERN, TEMP)),
         (TENSORBOARD_DIR, (EVENTS,)),
     ):
         sub = directory / name
@@ -150,7 +129,7 @@ def remove_run_artifacts(directory: Path) -> None:
 
 def remove_owned_dir(path: Path) -> None:
     """Remove a parts directory: our parts, temporaries and run facts; rmdir when empty."""
-    owned = (PART, TEMP, re.compile(re.escape(RUN_FILE)))
+    owned = (PART_PATTERN, TEMP, re.compile(re.escape(RUN_FILE)))
     for child in list(path.iterdir()):
         if child.is_file() and any(p.fullmatch(child.name) for p in owned):
             with contextlib.suppress(FileNotFoundError):

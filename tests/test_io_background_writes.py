@@ -173,7 +173,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, {tests!r})
-from test_background_writes import (
+from test_io_background_writes import (
     GatedDirectorySink, attached, batches, make_model, train_step
 )
 

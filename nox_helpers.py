@@ -1,0 +1,252 @@
+"""Helpers of noxfile.py: the monorepo as its pyproject files declare it, and how sessions
+install, isolate and test a package (see docs/development.md).
+
+Importing this module changes nothing: it reads files when its functions are called, never
+writes, links or edits the environment. It does not import nox, so tests/test_nox_helpers.py
+can check it in any test environment; the functions that drive a session take the session.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tomllib
+import zipfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+if TYPE_CHECKING:  # nox is only installed where nox runs
+    import nox
+
+ROOT: Final[Path] = Path(__file__).resolve().parent
+PACKAGES_DIR: Final[Path] = ROOT / "packages"
+TORCH_PIN: Final[Path] = ROOT / "constraints" / "torch.txt"
+REPORTS: Final[Path] = ROOT / ".nox" / "reports"
+"""Cross-session record of every pytest run; .ci/run sums these into its closing line."""
+
+PACKAGES: Final[tuple[str, ...]] = ("ti-schema", "ti-core", "ti-io", "ti-dist", "ti-examples")
+"""Every distribution under packages/, dependencies first."""
+TEST_EXTRAS: Final[Mapping[str, tuple[str, ...]]] = {"ti-examples": ("lightning", "transformers")}
+"""Extras a package's own tests need (the examples exercise Lightning and Transformers)."""
+
+# Tests must not reach a model hub (no network in CI) nor open plot windows.
+TEST_ENV: Final[Mapping[str, str]] = {
+    "MPLBACKEND": "Agg",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+# --- the packages, as their pyproject.toml files declare them -----------------------------------
+
+
+def module_name(package: str) -> str:
+    """The import name of a distribution: ``ti-io`` -> ``ti_io``."""
+    return package.replace("-", "_")
+
+
+def project(package: str) -> dict[str, Any]:
+    """The ``[project]`` table of ``packages/<package>/pyproject.toml``."""
+    data = tomllib.loads((PACKAGES_DIR / package / "pyproject.toml").read_text(encoding="utf-8"))
+    table: dict[str, Any] = data["project"]
+    return table
+
+
+def requirements(package: str, extras: Iterable[str] = ()) -> list[Requirement]:
+    """What ``package`` declares: its dependencies, plus those of ``extras``."""
+    table = project(package)
+    declared = [Requirement(r) for r in table.get("dependencies", [])]
+    optional: dict[str, list[str]] = table.get("optional-dependencies", {})
+    for extra in extras:
+        declared += [Requirement(r) for r in optional[extra]]
+    return declared
+
+
+def is_sibling(req: Requirement) -> bool:
+    return canonicalize_name(req.name) in PACKAGES
+
+
+def closure(package: str, extras: Iterable[str] = ()) -> list[str]:
+    """``package`` and the sibling packages it declares, transitively; dependencies first."""
+    ordered: list[str] = []
+
+    def visit(name: str, with_extras: Iterable[str]) -> None:
+        for req in requirements(name, with_extras):
+            sibling = canonicalize_name(req.name)
+            if is_sibling(req) and sibling not in ordered:
+                visit(sibling, req.extras)
+        if name not in ordered:
+            ordered.append(name)
+
+    visit(package, extras)
+    return ordered
+
+
+def absent_siblings(package: str) -> tuple[str, ...]:
+    """Import names of the sibling packages outside ``package``'s dependency closure (its test
+    extras included): its test environment must not contain them."""
+    inside = set(closure(package, TEST_EXTRAS.get(package, ())))
+    return tuple(module_name(p) for p in PACKAGES if p not in inside)
+
+
+def source_args(packages: Iterable[str], *, editable: bool = True) -> list[str]:
+    """pip arguments installing ``packages`` from packages/ (with their test extras)."""
+    args: list[str] = []
+    for package in packages:
+        extras = TEST_EXTRAS.get(package, ())
+        target = f"{PACKAGES_DIR / package}{'[' + ','.join(extras) + ']' if extras else ''}"
+        args += ["-e", target] if editable else [target]
+    return args
+
+
+# --- interpreters ---------------------------------------------------------------------------
+
+
+def interpreter(version: str) -> str:
+    """What to give nox as ``python=`` for ``version`` (``"3.12"``).
+
+    The version itself when a ``pythonX.Y`` that is not a pyenv shim is on PATH (a venv's, the
+    system's). pyenv's shims only run the active versions, so otherwise the newest final pyenv
+    release of that version, by path (``$PYENV_ROOT/versions/3.12.1/bin/python3.12``); else
+    the version, which nox reports as missing and skips. Only reads: nothing is linked and
+    PATH is not changed.
+    """
+    name = f"python{version}"
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    found = shutil.which(name)
+    if found and Path(found).parent != root / "shims":
+        return version
+    releases = {  # final releases only: X.Y.Z -> its pythonX.Y
+        int(match[1]): path
+        for path in (root / "versions").glob(f"{version}.*/bin/{name}")
+        if (match := re.fullmatch(rf"{re.escape(version)}\.(\d+)", path.parent.parent.name))
+    }
+    return str(releases[max(releases)]) if releases else version
+
+
+# --- what sessions run -------------------------------------------------------------------------
+
+
+def install(session: nox.Session, *args: str) -> None:
+    """The one way sessions call pip: always under the torch pin.
+
+    --no-compile: byte-compiling torch's ~10k modules at install costs more than compiling the
+    few that tests import.
+    """
+    session.install("--no-compile", "-c", str(TORCH_PIN), *args)
+
+
+def find_test_files(path: Path) -> list[Path]:
+    return sorted({*path.rglob("test_*.py"), *path.rglob("*_test.py")})
+
+
+def run_pytest(session: nox.Session, label: str, path: Path, *args: str) -> None:
+    """Run one test directory. A folder without test files is reported and skipped; a folder
+    with test files that collects nothing fails (pytest's exit 5 is not success here)."""
+    if not find_test_files(path):
+        session.warn(f"NO TESTS: {path.relative_to(ROOT)} holds no test files; nothing run")
+        return
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    report = REPORTS / re.sub(r"[^\w.-]+", "_", f"{session.name}--{label}.xml")
+    # CI replays one fixed Hypothesis seed so a landing never depends on a lucky draw; local runs
+    # keep exploring new examples.
+    seed = ("--hypothesis-seed=0",) if os.environ.get("CI") else ()
+    session.run(
+        "pytest",
+        str(path),
+        f"--junitxml={report}",
+        *seed,
+        *args,
+        *session.posargs,
+        env=dict(TEST_ENV),
+    )
+
+
+def run_every_test(session: nox.Session, *args: str) -> None:
+    """Every package's tests, then tests/; all run even when one fails, so one log shows all."""
+    import nox.command
+
+    failed = []
+    runs = [(p, PACKAGES_DIR / p / "tests") for p in PACKAGES] + [("e2e", ROOT / "tests")]
+    for label, path in runs:
+        try:
+            run_pytest(session, label, path, *args)
+        except nox.command.CommandFailed:
+            failed.append(label)
+    if failed:
+        session.error("tests failed: " + ", ".join(failed))
+
+
+def assert_absent(session: nox.Session, package: str, absent: Iterable[str]) -> None:
+    """Prove isolation: ``package`` imports, and what it must not depend on is not importable."""
+    names = list(absent)
+    module = module_name(package)
+    code = (
+        f"import importlib.util as u, {module}; "
+        f"present = [m for m in {names} if u.find_spec(m)]; "
+        f"assert not present, 'must not be installed: ' + ', '.join(present); "
+        f"print('isolation ok: {module} imports; not installed: {', '.join(names)}')"
+    )
+    session.run("python", "-c", code, silent=False)
+
+
+# --- lower bounds and wheels ---------------------------------------------------------------------
+
+
+def write_floor_constraints(path: Path) -> dict[str, str]:
+    """Constraints pinning every third-party dependency to the lowest version its pyproject
+    allows. One floor per name across the monorepo; torch is left to constraints/torch.txt."""
+    floors: dict[str, tuple[str, str]] = {}
+    problems: list[str] = []
+    for package in PACKAGES:
+        optional = project(package).get("optional-dependencies", {})
+        for req in requirements(package, optional):
+            name = canonicalize_name(req.name)
+            if is_sibling(req) or name == "torch":
+                continue
+            lows = [s.version for s in req.specifier if s.operator == ">="]
+            if len(lows) != 1:
+                problems.append(f"{package}: '{req}' needs exactly one '>=' lower bound")
+                continue
+            seen = floors.setdefault(name, (lows[0], package))
+            if seen[0] != lows[0]:
+                problems.append(
+                    f"{name}: {seen[1]} says >={seen[0]} but {package} says >={lows[0]}; "
+                    "use one floor for the whole monorepo"
+                )
+    if problems:
+        raise RuntimeError("lower bounds are inconsistent:\n  " + "\n  ".join(problems))
+    pins = {name: low for name, (low, _) in sorted(floors.items())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{name}=={low}\n" for name, low in pins.items()), encoding="utf-8")
+    return pins
+
+
+def wheel_requires(wheel: Path) -> set[str]:
+    """The ``Requires-Dist`` lines of a built wheel."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        text = zf.read(meta).decode("utf-8")
+    return {
+        str(Requirement(line.split(":", 1)[1].strip()))
+        for line in text.splitlines()
+        if line.startswith("Requires-Dist:")
+    }
+
+
+def declared_requires(package: str) -> set[str]:
+    """What ``package``'s wheel must list as ``Requires-Dist`` (extras as markers)."""
+    declared = {str(r) for r in requirements(package)}
+    optional: dict[str, list[str]] = project(package).get("optional-dependencies", {})
+    for extra, reqs in optional.items():
+        for raw in reqs:
+            req = Requirement(raw)
+            marker = f'extra == "{extra}"'
+            req = Requirement(f"{raw}; {marker}" if req.marker is None else f"{raw} and {marker}")
+            declared.add(str(req))
+    return declared

@@ -1,0 +1,142 @@
+"""The artifact-directory checker behind ``ti validate`` and ``assert_artifact_dir_conforms``.
+
+One run directory, or a directory of rank-private runs (:mod:`ti_schema.layout`), is checked
+file by file against the contract: every Parquet file (final or part) against its schema with
+the ``ti`` metadata of its footer, the ``rank`` values of a rank directory's rows, result.json
+(strict JSON and its schema), and the presence of what a run always holds. Every problem is
+collected; nothing stops at the first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ti_schema.errors import SchemaMismatchError
+from ti_schema.layout import (
+    HISTOGRAM_PARTS,
+    HISTOGRAMS_FILE,
+    HISTORY_FILE,
+    HISTORY_PARTS,
+    INDEX_FILE,
+    RESULT_FILE,
+    list_parts,
+    list_rank_dirs,
+    rank_dir_name,
+)
+from ti_schema.result_json import load_strict_json, result_json_problems
+from ti_schema.validate import validate_histograms, validate_history
+
+
+@dataclass(frozen=True)
+class ArtifactProblem:
+    """One problem with one file (or directory) of a run."""
+
+    path: Path
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+def _check_parquet(
+    path: Path,
+    validate: Callable[..., None],
+    rank: int | None,
+    problems: list[ArtifactProblem],
+) -> None:
+    try:
+        table = pq.read_table(path)
+        footer = pq.read_metadata(path).metadata
+    except (OSError, pa.ArrowException) as exc:
+        problems.append(ArtifactProblem(path, f"cannot be read as Parquet ({exc})"))
+        return
+    try:
+        # The Parquet footer holds `ti` whoever wrote the file; pyarrow's reconstructed Arrow
+        # schema lacks it for files written by Polars.
+        validate(table, metadata=footer)
+    except SchemaMismatchError as error:
+        problems.extend(ArtifactProblem(path, str(m)) for m in error.mismatches)
+    if rank is not None and "rank" in table.column_names and table.num_rows:
+        held: list[Any] = pc.unique(table.column("rank")).to_pylist()
+        ranks = sorted(r for r in held if r is not None)
+        if ranks != [rank]:
+            problems.append(
+                ArtifactProblem(
+                    path, f"sits in {rank_dir_name(rank)}/ but holds rank values {ranks}"
+                )
+            )
+
+
+def _check_run_dir(
+    directory: Path, rank: int | None, allow_live: bool, problems: list[ArtifactProblem]
+) -> None:
+    history = directory / HISTORY_FILE
+    parts_dir = directory / HISTORY_PARTS
+    if history.is_file():
+        _check_parquet(history, validate_history, rank, problems)
+    elif parts_dir.is_dir():
+        if not allow_live:
+            problems.append(
+                ArtifactProblem(
+                    history,
+                    f"missing; {HISTORY_PARTS}/ is there, so the run was not consolidated "
+                    "(run `ti consolidate DIR`)",
+                )
+            )
+    else:
+        problems.append(ArtifactProblem(history, "missing"))
+    for part in list_parts(parts_dir):
+        _check_parquet(part, validate_history, rank, problems)
+    histograms = directory / HISTOGRAMS_FILE
+    if histograms.is_file():
+        _check_parquet(histograms, validate_histograms, rank, problems)
+    for part in list_parts(directory / HISTOGRAM_PARTS):
+        _check_parquet(part, validate_histograms, rank, problems)
+    result = directory / RESULT_FILE
+    if not result.is_file():
+        problems.append(ArtifactProblem(result, "missing"))
+    else:
+        try:
+            data = load_strict_json(result)
+        except ValueError as exc:
+            problems.append(ArtifactProblem(result, f"not strict JSON ({exc})"))
+        else:
+            problems.extend(ArtifactProblem(result, str(m)) for m in result_json_problems(data))
+    if not (directory / INDEX_FILE).is_file():
+        problems.append(ArtifactProblem(directory / INDEX_FILE, "missing"))
+
+
+def artifact_dir_problems(
+    path: str | os.PathLike[str], *, allow_live: bool = False
+) -> list[ArtifactProblem]:
+    """Every way the run directory ``path`` breaks the contract; empty when it conforms.
+
+    A run holds history.parquet, result.json and index.md; histograms.parquet and the parts in
+    ``history.parts/`` and ``histograms.parts/`` are checked when present. A directory of
+    rank-private runs (``rank-000/``, ``rank-001/``, ...) is checked rank by rank, and each
+    rank's rows must carry its own ``rank``. ``allow_live``: a run that has ``history.parts/``
+    but no history.parquet yet (live, or interrupted before ``ti consolidate``) conforms when
+    its parts do; otherwise it is reported as not consolidated.
+    Raises NotADirectoryError when ``path`` is not a directory.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise NotADirectoryError(f"{root} is not a directory")
+    if not isinstance(allow_live, bool):
+        raise TypeError(f"allow_live= must be True or False, got {allow_live!r}")
+    problems: list[ArtifactProblem] = []
+    ranks = list_rank_dirs(root)
+    if ranks:
+        for rank, child in ranks:
+            _check_run_dir(child, rank, allow_live, problems)
+    else:
+        _check_run_dir(root, None, allow_live, problems)
+    return problems

@@ -1,0 +1,98 @@
+"""The on-disk layout of a run: file and directory names, part files, rank directories.
+
+The one definition every writer and reader uses: ti-io writes and reads it, ti-dist reads it
+across ranks, ``ti validate`` and the conformance kit check it. How files are written
+(temporaries, fsync, atomic renames, removal) belongs to ti-io. A run directory::
+
+    history.parquet        histograms.parquet      result.json      index.md
+    tensorboard/           event files
+    history.parts/         part-000000.parquet, part-000001.parquet, ..., run.json (live runs)
+    histograms.parts/      part-000000.parquet, ...                              (live runs)
+
+When every rank writes, ``output_dir/rank-000/``, ``output_dir/rank-001/``, ... each hold one.
+Parts are ordered by their number (not by name: ``part-1000000`` follows ``part-999999``);
+anything else in a parts directory (temporaries, strangers) is not a part.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Final
+
+HISTORY_FILE: Final[str] = "history.parquet"
+HISTOGRAMS_FILE: Final[str] = "histograms.parquet"
+RESULT_FILE: Final[str] = "result.json"
+INDEX_FILE: Final[str] = "index.md"
+HISTORY_PARTS: Final[str] = "history.parts"
+HISTOGRAM_PARTS: Final[str] = "histograms.parts"
+TENSORBOARD_DIR: Final[str] = "tensorboard"
+RUN_FILE: Final[str] = "run.json"
+"""Run facts kept inside ``history.parts/`` while the run is unconsolidated."""
+
+RUN_FILES: Final[tuple[str, ...]] = (HISTORY_FILE, HISTOGRAMS_FILE, RESULT_FILE, INDEX_FILE)
+RUN_DIRS: Final[tuple[str, ...]] = (HISTORY_PARTS, HISTOGRAM_PARTS, TENSORBOARD_DIR)
+RUN_ENTRIES: Final[tuple[str, ...]] = RUN_FILES + RUN_DIRS
+"""Every top-level entry a run owns; their presence marks a directory as holding a run."""
+
+PART_PATTERN: Final[re.Pattern[str]] = re.compile(r"part-(\d{6,})\.parquet")
+"""A published part's file name; the group is its number."""
+RANK_DIR_PATTERN: Final[re.Pattern[str]] = re.compile(r"rank-(\d{3,})")
+"""A rank-private run directory's name; the group is the global rank."""
+
+
+def _index(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+def part_name(index: int) -> str:
+    """File name of part ``index``: ``part-000042.parquet``."""
+    return f"part-{_index(index, 'part index'):06d}.parquet"
+
+
+def part_index(name: str) -> int | None:
+    """The number of the part called ``name``, or None when ``name`` is not a part."""
+    match = PART_PATTERN.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def list_parts(directory: str | os.PathLike[str]) -> list[Path]:
+    """The published parts in ``directory`` in part order (empty when it does not exist)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        index = part_index(child.name)
+        if index is not None and child.is_file():
+            found.append((index, child))
+    return [path for _, path in sorted(found)]
+
+
+def rank_dir_name(rank: int) -> str:
+    """The rank-private directory of global rank ``rank``: ``rank-000``, ``rank-1234``."""
+    return f"rank-{_index(rank, 'rank'):03d}"
+
+
+def rank_of_dir(name: str) -> int | None:
+    """The global rank a directory called ``name`` belongs to, or None when it is no rank's."""
+    match = RANK_DIR_PATTERN.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def list_rank_dirs(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(rank, directory)`` of every rank-private run under ``output_dir``, by rank."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        rank = rank_of_dir(child.name)
+        if rank is not None and child.is_dir():
+            found.append((rank, child))
+    return sorted(found)

@@ -1,0 +1,8 @@
+"""Makes the helper module of tests/migration importable (tests and the scripts they start)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
