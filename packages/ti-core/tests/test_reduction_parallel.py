@@ -128,7 +128,9 @@ def _observed_rows(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(numpy_rows, "_scan_blocks", spy)
         torch.set_num_threads(threads)
-        inject_observer(model, sink=sink, sampler=AlwaysSampler(), error_policy="raise")
+        inject_observer(
+            model, output_dir=None, sink=sink, sampler=AlwaysSampler(), error_policy="raise"
+        )
         try:
             observer = observer_of(model)
             assert observer is not None

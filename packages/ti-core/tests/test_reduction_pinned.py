@@ -139,6 +139,7 @@ def measured(error_policy: str) -> dict[str, dict[str, Any]]:
     sink = MemorySink()
     inject_observer(
         model,
+        output_dir=None,
         sink=sink,
         sampler=AlwaysSampler(),
         max_histogram_modules=len(named),

@@ -95,6 +95,7 @@ def measured(error_policy: str) -> dict[str, list[dict[str, Any]]]:
     sink = MemorySink()
     inject_observer(
         model,
+        output_dir=None,
         sink=sink,
         sampler=AlwaysSampler(),
         max_histogram_modules=4,
