@@ -110,9 +110,7 @@ class _Emit(torch.nn.Module):
         return self.tensor
 
 
-def _observed_rows(
-    tensor: torch.Tensor, threads: int
-) -> tuple[list[Any], list[Any], set[str]]:
+def _observed_rows(tensor: torch.Tensor, threads: int) -> tuple[list[Any], list[Any], set[str]]:
     """One sample of ``tensor`` (too large to snapshot) under ``torch.set_num_threads``:
     history and histogram rows, and the names of the threads that scanned it."""
     names: set[str] = set()
