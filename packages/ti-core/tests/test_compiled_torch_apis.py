@@ -85,6 +85,15 @@ def test_assume_constant_result_runs_once_per_trace_and_folds_the_result() -> No
     ``_site`` in ti_core.compiled.traced rely on it)."""
     seen: list[tuple[int, str]] = []
 
+    def marked(fn: Any) -> Any:
+        return fn
+
+    mine = torch_private.assume_constant_result(marked)
+    assert vars(mine) == vars(torch._dynamo.assume_constant_result(lambda: None)), (
+        "torch._dynamo.assume_constant_result marks functions differently now: "
+        "ti_core.compiled.torch_private.assume_constant_result copies its marker"
+    )
+
     @torch_private.assume_constant_result
     def note(n: int, s: str) -> int:
         seen.append((n, s))
@@ -117,9 +126,21 @@ def test_frame_skip_strategy_runs_a_hook_frame_eagerly() -> None:
             inside.append(torch.compiler.is_compiling())
 
     assert torch_private.skip_frames(Skipped.__call__), (
-        "torch._dynamo.eval_frame.set_code_exec_strategy / torch._dynamo.types.FrameAction / "
-        "FrameExecStrategy moved: ti_core.compiled.torch_private.skip_frames cannot skip frames"
+        "torch._C._dynamo.eval_frame.set_code_exec_strategy / _FrameAction / "
+        "_FrameExecStrategy moved: ti_core.compiled.torch_private.skip_frames cannot skip frames"
     )
+    import torch._dynamo.eval_frame
+    import torch._dynamo.types
+    from torch._C._dynamo import eval_frame as c_eval_frame
+
+    moved = (
+        "torch._dynamo's set_code_exec_strategy / FrameAction / FrameExecStrategy are no longer "
+        "torch._C._dynamo.eval_frame's: ti_core.compiled.torch_private.skip_frames uses the latter"
+    )
+    ours = torch._dynamo.eval_frame.set_code_exec_strategy
+    assert ours is c_eval_frame.set_code_exec_strategy, moved
+    assert torch._dynamo.types.FrameAction is c_eval_frame._FrameAction, moved
+    assert torch._dynamo.types.FrameExecStrategy is c_eval_frame._FrameExecStrategy, moved
 
     class User(nn.Module):  # a user forward: the hooks run as frames, not inlined
         def __init__(self) -> None:
@@ -150,14 +171,13 @@ def test_a_gradient_hook_traced_into_the_graph_gets_its_ticket_and_every_use() -
     through both."""
     received: list[Any] = []
 
-    class State:
-        def receive(self, indices: list[int], grad: torch.Tensor) -> None:
-            received.append((indices, grad.clone()))
+    def receive(grad: torch.Tensor | None) -> None:
+        received.append((0, None if grad is None else grad.clone()))
 
     @torch.library.custom_op("ti_api_test::ticket", mutates_args=())
     def make_ticket(x: torch.Tensor) -> torch.Tensor:
         ticket = torch.zeros(1, dtype=torch.int64)
-        setattr(ticket, TICKET_STATE, (State(), [0]))
+        setattr(ticket, TICKET_STATE, [receive])
         return ticket
 
     make_ticket.register_fake(lambda x: torch.empty(1, dtype=torch.int64))

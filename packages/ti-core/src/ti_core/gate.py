@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ti_core.capture.context import in_backward
-from ti_core.capture.gradients import GradientState
+from ti_core.capture.gradients import GradHook
 from ti_core.capture.hooks import CallHook, RootPostHook, RootPreHook, install_forward_override
 from ti_core.capture.sample import Sample
 from ti_core.compiled import operators
@@ -410,16 +410,16 @@ class Gate:
         train: bool,
         grad_enabled: bool,
         kinds: list[int],
-    ) -> tuple[GradientState | None, list[int]]:
+    ) -> list[GradHook | None] | None:
         sample = self._local.sample
         if sample is None or in_backward():
-            return None, []
+            return None
         try:
             paths = self._sites.paths(site)
             return record_traced_call(sample, layer, paths, tensors, train, grad_enabled, kinds)
         except Exception as error:
             self._errors.handle("output capture", error)
-            return None, []
+            return None
 
 
 __all__ = ["Gate", "GateState", "SampleOwner"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Final, Protocol
 
 import torch
@@ -35,7 +36,8 @@ from ti_core.compiled.torch_private import EffectType
 
 NAMESPACE: Final[str] = "ti"
 TICKET_STATE: Final[str] = "_ti_gradient_state"
-"""Attribute of a ticket tensor: ``(gradient state, indices)`` of the call it was made for."""
+"""Attribute of a ticket tensor: per tensor of the call it was made for, the gradient hook
+(bound to the sample's gradient state) or None."""
 
 # What record_call is told per captured tensor (decided at trace time).
 PLAIN: Final[int] = 0
@@ -48,9 +50,9 @@ as in eager capture."""
 
 
 class GradientReceiver(Protocol):
-    """What a ticket carries: the gradient side of one sample (``capture.GradientState``)."""
+    """What a ticket carries per tensor: a gradient hook of one sample (``capture.GradHook``)."""
 
-    def receive(self, indices: list[int], grad: torch.Tensor) -> None: ...
+    def __call__(self, grad: torch.Tensor | None) -> None: ...
 
 
 class CompiledTarget(Protocol):
@@ -84,8 +86,9 @@ class CompiledTarget(Protocol):
         train: bool,
         grad_enabled: bool,
         kinds: list[int],
-    ) -> tuple[GradientReceiver | None, list[int]]:
-        """Run time: one call of a selected module in a sampled compiled forward."""
+    ) -> Sequence[GradientReceiver | None] | None:
+        """Run time: one call of a selected module in a sampled compiled forward; per tensor,
+        what receives its gradient (None: nothing recorded)."""
         ...
 
 
@@ -181,9 +184,9 @@ def record_call(
     ticket = torch.zeros(len(tensors), dtype=torch.int64)
     target = target_of(key)
     if target is not None:
-        state, indices = target.compiled_record(tensors, layer, site, train, grad_enabled, kinds)
-        if state is not None:
-            setattr(ticket, TICKET_STATE, (state, indices))
+        receivers = target.compiled_record(tensors, layer, site, train, grad_enabled, kinds)
+        if receivers is not None and any(r is not None for r in receivers):
+            setattr(ticket, TICKET_STATE, receivers)
     return ticket
 
 
@@ -203,15 +206,14 @@ def _record_call_fake(
 @torch.library.custom_op(f"{NAMESPACE}::record_grad", mutates_args=(), tags=_TAGS)
 def record_grad(grad: torch.Tensor, ticket: torch.Tensor, position: int) -> None:
     """Gradient hook of a recorded output tensor: its gradient, as autograd accumulated it."""
-    carried = getattr(ticket, TICKET_STATE, None)
-    if carried is None:
+    receivers = getattr(ticket, TICKET_STATE, None)
+    if receivers is None:
         return
-    state, indices = carried
-    index = indices[position]
-    if index >= 0:
+    receiver = receivers[position]
+    if receiver is not None:
         # A fresh alias: compiled kernels write buffers without bumping ``_version``, so the
         # batch must not take this object for one it has measured already.
-        state.receive([index], grad.detach())
+        receiver(grad.detach())
 
 
 @record_grad.register_fake

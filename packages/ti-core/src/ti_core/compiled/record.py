@@ -1,8 +1,7 @@
 """What ``record_call`` does at run time: one call of a selected module, recorded as eager does.
 
-The same :class:`~ti_core.records.Entry` objects, snapshots into the sample's
-:class:`~ti_core.capture.batch.TensorBatch`, gradient bookkeeping in its
-:class:`~ti_core.capture.gradients.GradientState` and coverage gaps as
+The same rows in the sample's :class:`~ti_core.capture.batch.TensorBatch`, gradient
+bookkeeping in its :class:`~ti_core.capture.gradients.GradientState` and coverage gaps as
 :meth:`ti_core.capture.sample.Sample.record`, so reduction and emission are unchanged. Two
 differences, both forced by compiled code:
 
@@ -10,7 +9,8 @@ differences, both forced by compiled code:
   and its kernels write through raw pointers without bumping ``_version``, so the batch's
   "same object, same version: measure once" shortcut would repeat a stale row;
 - a watched tensor's hook was registered at trace time (:mod:`ti_core.compiled.traced`); its
-  gradient arrives through ``record_grad``, by the tensor's index in the gradient state.
+  gradient arrives through ``record_grad``, which calls the :class:`GradHook` made here (one
+  per tensor and call: identity dedupe of eager capture is not done in compiled graphs).
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from typing import Final
 import torch
 
 from ti_core.capture.context import in_reentrant_checkpoint, now_us
-from ti_core.capture.gradients import GradientState
+from ti_core.capture.gradients import GradHook, GradientState
 from ti_core.capture.sample import LEAF_REASON, REENTRANT_REASON, Sample
 from ti_core.compiled.operators import LEAF, WATCH
 from ti_core.compiled.traced import NESTED
-from ti_core.records import Entry
-from ti_core.reduction.support import dtype_name
 
 NESTED_REASON: Final[str] = (
     "gradient not captured: activation checkpoint inside a compiled graph (the output is "
@@ -64,45 +62,37 @@ def record_traced_call(
     train: bool,
     grad_enabled: bool,
     kinds: Sequence[int],
-) -> tuple[GradientState | None, list[int]]:
-    """Record one call in ``sample``; return its gradient state and, per tensor, the index of
-    its entry there (-1: no gradient will be recorded for it)."""
+) -> list[GradHook | None]:
+    """Record one call in ``sample``; return, per tensor, the gradient hook that its
+    ``record_grad`` calls (None: no gradient will be recorded for it)."""
     call = sample.calls.get(layer, 0)
     sample.calls[layer] = call + 1
-    indices = [-1] * len(tensors)
+    hooks: list[GradHook | None] = [None] * len(tensors)
     if not tensors:
-        return sample.gradients, indices
+        return hooks
     stamp = now_us()
+    forward = sample.forward
     reentrant: bool | None = None
     for j, (path, tensor, kind) in enumerate(zip(paths, tensors, kinds, strict=True)):
-        entry = Entry(
-            layer,
-            call,
-            path,
-            train,
-            grad_enabled,
-            tuple(tensor.shape),
-            dtype_name(tensor.dtype),
-            stamp,
-        )
-        sample.forward.add(entry, tensor.detach())
+        forward.add(tensor.detach(), layer, call, path, train, grad_enabled, stamp)
+        row = len(forward.rows) - 1
         if kind == WATCH:
             state = sample.gradients
             if state is None:
-                state = GradientState(sample.target, sample.sample_id, sample.forward_index)
-                sample.gradients = state
-            indices[j] = len(state.entries)
-            state.entries.append(entry)
+                state = sample.gradients = GradientState(
+                    sample.target, sample.sample_id, sample.forward_index, forward.rows
+                )
+            hooks[j] = GradHook(state, row)
         elif kind == LEAF:
-            sample.gaps.append((entry, LEAF_REASON))
+            sample.gaps.add(forward.entry(row), LEAF_REASON)
         elif kind == NESTED:
-            sample.gaps.append((entry, NESTED_REASON))
+            sample.gaps.add(forward.entry(row), NESTED_REASON)
         elif not grad_enabled and (tensor.is_floating_point() or tensor.is_complex()):
             if reentrant is None:
                 reentrant = in_reentrant_checkpoint()
             if reentrant:
-                sample.gaps.append((entry, REENTRANT_REASON))
-    return sample.gradients, indices
+                sample.gaps.add(forward.entry(row), REENTRANT_REASON)
+    return hooks
 
 
 __all__ = ["NESTED_REASON", "Sites", "record_traced_call"]

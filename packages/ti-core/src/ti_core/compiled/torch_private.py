@@ -2,36 +2,43 @@
 
 torch is pinned (constraints/torch.txt); each name here is guarded by a test in
 ``packages/ti-core/tests/test_compiled_torch_apis.py`` that fails, naming the API, when a torch
-upgrade moves or changes it. Imports of Dynamo internals happen when first needed (trace time),
-so importing ti-core does not load them.
+upgrade moves or changes it. Nothing here imports ``torch._dynamo`` (seconds and ~80 MB): what
+is needed before any compile comes from torch's C extension or is a marker attribute; Dynamo's
+Python internals are imported at trace time only, when Dynamo is loaded anyway.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
 from torch._library.effects import EffectType
 
-assume_constant_result: Callable[[Callable[..., Any]], Callable[..., Any]] = (
-    torch._dynamo.assume_constant_result
-)
-"""Dynamo calls the decorated function at trace time, with the real (constant) arguments, and
-folds its result into the graph: the one way traced code runs Python once per trace."""
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def assume_constant_result(function: _F) -> _F:
+    """``torch._dynamo.assume_constant_result`` without importing ``torch._dynamo``: the same
+    marker attribute (a test compares them). Dynamo calls the marked function at trace time,
+    with the real (constant) arguments, and folds its result into the graph: the one way
+    traced code runs Python once per trace."""
+    function._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return function
 
 
 def skip_frames(function: Callable[..., Any]) -> bool:
     """Tell Dynamo to run ``function``'s frame, and every frame it calls, eagerly when it meets
     it as a frame of its own (``set_code_exec_strategy`` with ``FrameAction.SKIP``); inlined
     calls are still traced. False when this torch has no such setting."""
-    try:
-        from torch._dynamo.eval_frame import (  # type: ignore[attr-defined]
-            set_code_exec_strategy,
+    try:  # torch's C extension, which torch._dynamo.eval_frame / .types re-export
+        from torch._C._dynamo.eval_frame import (  # type: ignore[import-not-found,attr-defined,unused-ignore]
+            _FrameAction as FrameAction,
         )
-        from torch._dynamo.types import (  # type: ignore[attr-defined]
-            FrameAction,
-            FrameExecStrategy,
+        from torch._C._dynamo.eval_frame import (  # type: ignore[import-not-found,attr-defined,unused-ignore]
+            _FrameExecStrategy as FrameExecStrategy,
+        )
+        from torch._C._dynamo.eval_frame import (  # type: ignore[import-not-found,attr-defined,unused-ignore]
+            set_code_exec_strategy,
         )
     except ImportError:  # pragma: no cover - depends on the torch build
         return False
