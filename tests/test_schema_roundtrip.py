@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+import ti_core
+import ti_io  # noqa: F401  (the real run below writes through ti-io)
 import ti_schema
 from ti_schema import SchemaMismatchError, validate_histograms, validate_history
 from ti_schema.testing import (
@@ -22,8 +26,6 @@ from ti_schema.testing import (
     example_histogram_table,
     example_history_table,
 )
-
-pl = pytest.importorskip("polars")
 
 
 @pytest.fixture
@@ -152,9 +154,6 @@ def test_artifact_dir_written_by_polars_conforms(history_file: Path, tmp_path: P
 
 
 def test_a_real_run_conforms_and_reads_back_through_polars(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    ti_core = pytest.importorskip("ti_core")
-    pytest.importorskip("ti_io")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     stats = tmp_path / "stats"
