@@ -17,7 +17,9 @@ import pyarrow as pa
 
 from ti_core.reduction.histograms import HistogramData
 
-SignalName = Literal["output", "output_gradient"]
+SignalName = Literal[
+    "output", "output_gradient", "parameter", "parameter_gradient", "parameter_update"
+]
 """Values of the ``signal`` column (``ti_schema.SIGNALS``)."""
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from ti_core.capture.batch import TensorBatch
 from ti_core.capture.context import in_reentrant_checkpoint, now_us
 from ti_core.capture.gradients import GradientState, GradientTarget
+from ti_core.capture.parameters import ParameterSample
 from ti_core.capture.paths import tensor_leaves
 from ti_core.records import Entry
 from ti_core.reduction.support import dtype_name
@@ -32,9 +33,25 @@ REENTRANT_REASON: Final[str] = (
 
 
 class Sample:
-    """One sampled root forward: its outputs, its coverage gaps and its gradient state."""
+    """One sampled root forward: its outputs, its coverage gaps and its gradient state, and the
+    parameter side when the parameter signals are on.
 
-    __slots__ = ("calls", "forward", "forward_index", "gaps", "gradients", "sample_id", "target")
+    ``outputs`` / ``output_gradients`` say whether the ``output`` and ``output_gradient``
+    signals are recorded (``inject_observer(signals=)``).
+    """
+
+    __slots__ = (
+        "calls",
+        "forward",
+        "forward_index",
+        "gaps",
+        "gradients",
+        "output_gradients",
+        "outputs",
+        "parameters",
+        "sample_id",
+        "target",
+    )
 
     def __init__(
         self,
@@ -42,6 +59,10 @@ class Sample:
         forward_index: int,
         batch: TensorBatch,
         target: weakref.ref[GradientTarget],
+        *,
+        outputs: bool = True,
+        output_gradients: bool = True,
+        parameters: ParameterSample | None = None,
     ) -> None:
         self.sample_id = sample_id
         self.forward_index = forward_index
@@ -53,6 +74,10 @@ class Sample:
         self.gaps: list[tuple[Entry, str]] = []
         """Outputs whose gradient cannot be captured, with the reason."""
         self.gradients: GradientState | None = None
+        self.outputs = outputs
+        self.output_gradients = output_gradients
+        self.parameters = parameters
+        """The parameter signals of this forward (None when they are off)."""
 
     def record(self, layer: int, module: nn.Module, output: Any) -> None:
         """One call of the selected module ``layer`` returned ``output``: snapshot each tensor
@@ -60,7 +85,9 @@ class Sample:
         call = self.calls.get(layer, 0)
         self.calls[layer] = call + 1
         leaves = tensor_leaves(output)
-        if not leaves:
+        if self.parameters is not None:
+            self.parameters.record_call(layer, module, leaves)
+        if not leaves or not (self.outputs or self.output_gradients):
             return
         stamp = now_us()
         train = bool(module.training)
@@ -77,7 +104,10 @@ class Sample:
                 dtype_name(tensor.dtype),
                 stamp,
             )
-            self.forward.add(entry, tensor)
+            if self.outputs:
+                self.forward.add(entry, tensor)
+            if not self.output_gradients:
+                continue
             if grad_enabled and tensor.requires_grad:
                 if tensor.grad_fn is None:
                     self.gaps.append((entry, LEAF_REASON))

@@ -25,6 +25,9 @@ from ti_core.records import (
 _STAGES: Final[dict[SignalName, str]] = {
     "output": "forward emission",
     "output_gradient": "gradient emission",
+    "parameter": "parameter emission",
+    "parameter_gradient": "parameter gradient emission",
+    "parameter_update": "parameter update emission",
 }
 
 
@@ -39,7 +42,11 @@ class EndedSignal:
     forward_index: int
     batch: TensorBatch
     gaps: Sequence[tuple[Entry, str]] = ()
-    """Entries whose gradient cannot be captured, with the reason (``output`` only)."""
+    """Entries without a value in ``gap_signal``, with the reason: outputs or parameters whose
+    gradient cannot be captured (with ``output`` / ``parameter``), parameters whose gradient or
+    update was not measured (with those signals)."""
+    gap_signal: SignalName = "output_gradient"
+    """The signal of the ``gaps`` rows."""
 
     @property
     def stage(self) -> str:
@@ -86,7 +93,7 @@ class SignalWriter:
         if ended.gaps:
             gaps = unavailable_batch(
                 columns,
-                "output_gradient",
+                ended.gap_signal,
                 ended.sample_id,
                 ended.forward_index,
                 [e for e, _ in ended.gaps],
