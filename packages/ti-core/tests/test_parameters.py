@@ -34,6 +34,7 @@ from ti_core.capture.parameter_gradients import (
     GRADIENT_NONE_REASON,
     GRADIENT_REENTRANT_REASON,
 )
+from ti_core.capture.sample import LEAF_REASON
 from ti_core.capture.updates import NO_OPTIMIZER_REASON, REMOVED_REASON
 from ti_schema import PARAMETER_SIGNALS, SIGNALS, validate_histograms, validate_history
 
@@ -264,6 +265,41 @@ def test_default_signals_record_no_parameter_and_install_no_optimizer_hook() -> 
         opt.step()
     remove_observer(model)
     assert {r["signal"] for r in sink.table().to_pylist()} == {"output", "output_gradient"}
+
+
+def _output_rows(signals: tuple[str, ...]) -> dict[tuple[Any, ...], Any]:
+    """Rows of three sampled steps of a model whose Identity returns its (grad-requiring)
+    input: a leaf output, so its gradient rows are unavailable with a reason (a gap)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), nn.Linear(4, 3), nn.Tanh())
+    sink = MemorySink()
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler(), signals=signals)
+    try:
+        for _ in range(3):
+            x = torch.randn(5, 4, requires_grad=True)
+            model(x).square().mean().backward()  # type: ignore[no-untyped-call]
+    finally:
+        remove_observer(model)
+    return {
+        (r["sample_id"], r["signal"], r["layer"], r["call_index"], r["tensor_path"], r["metric"]): (
+            r["value"],
+            r["shape"],
+            r["unavailable_reason"],
+        )
+        for r in sink.table().to_pylist()
+    }
+
+
+@pytest.mark.parametrize("signal", ["output", "output_gradient"])
+def test_one_output_signal_alone_gives_exactly_its_rows_of_the_default_pair(signal: str) -> None:
+    """``signals=("output_gradient",)`` still derives the gradients' rows (and the leaf
+    output's unavailable rows) from the forward's outputs without writing those;
+    ``("output",)`` hooks no gradient."""
+    both = _output_rows(("output", "output_gradient"))
+    assert any(v[2] == LEAF_REASON for k, v in both.items() if k[1] == "output_gradient")
+    alone = _output_rows((signal,))
+    assert alone
+    assert alone == {k: v for k, v in both.items() if k[1] == signal}
 
 
 def _parameter_hooks(model: nn.Module) -> int:

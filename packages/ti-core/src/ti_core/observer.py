@@ -21,7 +21,7 @@ from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, TensorBatch
 from ti_core.capture.gradients import GradientState, GradientTarget
 from ti_core.capture.parameter_target import ParameterTarget
 from ti_core.capture.parameters import ParameterCapture
-from ti_core.capture.sample import Sample
+from ti_core.capture.sample import Sample, as_gaps
 from ti_core.capture.snapshots import SnapshotPool
 from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.emission.emitters import BackgroundEmitter, Emitter, InlineEmitter
@@ -181,10 +181,11 @@ class Observer:
     def end_forward(self, sample: Sample) -> None:
         sample.forward_done()
         if sample.outputs or sample.gaps:
+            # without the output signal the forward rows exist only for the gradients to
+            # derive their identity from: they are not emitted
+            batch = sample.forward if sample.outputs else self.new_batch()
             self._emitter.emit(
-                EndedSignal(
-                    "output", sample.sample_id, sample.forward_index, sample.forward, sample.gaps
-                )
+                EndedSignal("output", sample.sample_id, sample.forward_index, batch, sample.gaps)
             )
         if sample.parameters is not None:
             values, gaps = sample.parameters.forward_done()
@@ -195,7 +196,7 @@ class Observer:
                         sample.sample_id,
                         sample.forward_index,
                         values if values is not None else self.new_batch(),
-                        gaps,
+                        as_gaps(gaps),
                         gap_signal="parameter_gradient",
                     )
                 )
@@ -240,7 +241,7 @@ class Observer:
         gaps: Sequence[tuple[Entry, str]],
     ) -> None:
         self._emitter.emit(
-            EndedSignal(signal, sample_id, forward_index, batch, gaps, gap_signal=signal)
+            EndedSignal(signal, sample_id, forward_index, batch, as_gaps(gaps), gap_signal=signal)
         )
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ti_core.capture.context import now_us
 from ti_core.capture.hooks import HookObject
-from ti_core.capture.parameter_target import ParameterTarget, measured_entry
+from ti_core.capture.parameter_target import ParameterTarget, add_entry, measured_entry
 from ti_core.capture.sharding import local_tensor
 from ti_core.records import Entry
 
@@ -184,7 +184,7 @@ class GradientWatch:
                     gaps.append((entry, GRADIENT_NONE_REASON))
                     continue
                 grad = local_tensor(grad)
-                batch.add(measured_entry(entry, grad, stamp), grad)
+                add_entry(batch, measured_entry(entry, grad, stamp), grad)
             if len(batch) or gaps:
                 target.finish_parameters(
                     "parameter_gradient", self.sample_id, self.forward_index, batch, gaps

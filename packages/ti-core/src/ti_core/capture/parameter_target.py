@@ -56,4 +56,18 @@ def measured_entry(entry: Entry, tensor: torch.Tensor, stamp: int) -> Entry:
     )
 
 
-__all__ = ["ParameterTarget", "measured_entry"]
+def add_entry(batch: TensorBatch, entry: Entry, tensor: torch.Tensor) -> None:
+    """Record ``tensor`` in ``batch`` under ``entry``'s identity (shape and dtype: the
+    tensor's)."""
+    batch.add(
+        tensor,
+        entry.layer,
+        entry.call_index,
+        entry.path,
+        entry.train,
+        entry.grad_enabled,
+        entry.timestamp_us,
+    )
+
+
+__all__ = ["ParameterTarget", "add_entry", "measured_entry"]

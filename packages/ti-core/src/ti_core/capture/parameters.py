@@ -29,7 +29,7 @@ from torch import nn
 from ti_core.capture.batch import TensorBatch
 from ti_core.capture.context import in_reentrant_checkpoint, now_us
 from ti_core.capture.parameter_gradients import GRADIENT_REENTRANT_REASON, GradientWatch
-from ti_core.capture.parameter_target import ParameterTarget
+from ti_core.capture.parameter_target import ParameterTarget, add_entry
 from ti_core.capture.sharding import is_sharded, local_tensor, parameter_path
 from ti_core.capture.updates import (
     DEFAULT_UPDATE_BUDGET_BYTES,
@@ -238,7 +238,7 @@ class ParameterSample:
                 stamp,
             )
             if self._values is not None:
-                self._values.add(entry, value)
+                add_entry(self._values, entry, value)
             if capture.gradients and param.requires_grad:
                 if grad_enabled:
                     self._gradient_watch().add(held.key, entry, param, layer, held.sharded)

@@ -27,7 +27,7 @@ import torch
 from ti_core.capture.batch import TensorBatch
 from ti_core.capture.context import now_us
 from ti_core.capture.hooks import HookObject
-from ti_core.capture.parameter_target import ParameterTarget, measured_entry
+from ti_core.capture.parameter_target import ParameterTarget, add_entry, measured_entry
 from ti_core.capture.sharding import local_tensor
 from ti_core.records import Entry
 
@@ -279,7 +279,7 @@ class UpdateTracker:
                         batch = batches.get(id(window))
                         if batch is None:
                             batch = batches[id(window)] = target.new_batch()
-                        batch.add(measured_entry(entry, delta, stamp), delta)
+                        add_entry(batch, measured_entry(entry, delta, stamp), delta)
                 for window in self._windows:
                     window.stepped = True
                     batch = batches.get(id(window))
