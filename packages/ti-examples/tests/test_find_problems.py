@@ -1,7 +1,9 @@
 """The main job: every fault is visible in its broken run's artifacts and absent elsewhere.
 
 Assertions read history.parquet with Polars directly (not through ti_examples.evidence), so
-they check what a user finds on disk.
+they check what a user finds on disk; the derived parameter series (weight norm,
+update-to-weight ratio) are read through the evidence frame and checked against torch's own
+norms of the weights.
 """
 
 from __future__ import annotations
@@ -148,6 +150,61 @@ def test_scale_growth(demo: tuple[Path, list[ProblemResult]]) -> None:
             assert growth > 1e3, f"output std should grow by orders of magnitude, got {growth}"
         else:
             assert growth < 10, f"{variant}: growth {growth}"
+
+
+def test_scale_growth_parameters_show_the_learning_rate(
+    demo: tuple[Path, list[ProblemResult]],
+) -> None:
+    """fc2's update-to-weight ratio jumps at the onset sample itself (each step moves the
+    weights by about their own size), samples before the output's scale visibly grows; its
+    weight norm then grows with the output. The baseline and the clipped run stay small."""
+    _, results = demo
+    series = next(r for r in results if r.problem.name == "scale_growth").series
+    for variant in VARIANTS:
+        frame = series.filter(pl.col("variant") == variant)
+        ratio = frame.filter(pl.col("metric") == "update_to_weight").sort("sample_id")
+        norm = frame.filter(pl.col("metric") == "l2_norm").sort("sample_id")
+        assert ratio["value"].null_count() == norm["value"].null_count() == 0
+        before, after = split(ratio)
+        norm_before, norm_after = split(norm)
+        if variant == "broken":
+            onset = ratio.filter(pl.col("forward_index") == ONSET_STEP)["value"].item()
+            # the learning rate went up 18x between the last healthy sample and this one
+            assert onset > 10 * before[-1], f"ratio {onset} at the onset, before {before}"
+            assert np.median(after) > 0.5
+            assert norm_after.max() > 1e3 * np.median(norm_before)
+        else:
+            assert after.max() < 0.2, f"{variant}: update-to-weight {after.max()}"
+            assert norm_after.max() < 2 * np.median(norm_before)
+
+
+def test_scale_growth_weight_norm_and_ratio_equal_torch(
+    demo: tuple[Path, list[ProblemResult]],
+) -> None:
+    """The evidence series, derived from the recorded mean, std and shape, equal torch's own
+    norms of fc2.weight at each sampled forward and of the step that followed it."""
+    _, results = demo
+    result = next(r for r in results if r.problem.name == "scale_growth")
+    problem = result.problem
+    torch.manual_seed(CONFIG.seed)
+    model = problem.build_model("broken")
+    weights: list[torch.Tensor] = []
+    model.fc2.register_forward_pre_hook(  # type: ignore[union-attr]
+        lambda m, args: weights.append(m.weight.detach().double().clone())
+    )
+    train(problem, "broken", model, CONFIG)
+    weights.append(model.fc2.weight.detach().double().clone())  # type: ignore[union-attr]
+    frame = result.series.filter(pl.col("variant") == "broken")
+    for metric in ("l2_norm", "update_to_weight"):
+        rows = frame.filter(pl.col("metric") == metric).sort("sample_id")
+        for index, value in zip(rows["forward_index"], rows["value"], strict=True):
+            norm = float(torch.linalg.vector_norm(weights[index]))
+            if metric == "update_to_weight":
+                step = float(torch.linalg.vector_norm(weights[index + 1] - weights[index]))
+                expected = step / norm
+            else:
+                expected = norm
+            assert value == pytest.approx(expected, rel=1e-5), (metric, index)
 
 
 def test_nonfinite(demo: tuple[Path, list[ProblemResult]]) -> None:
