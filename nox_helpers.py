@@ -31,8 +31,12 @@ REPORTS: Final[Path] = ROOT / ".nox" / "reports"
 
 PACKAGES: Final[tuple[str, ...]] = ("ti-schema", "ti-core", "ti-io", "ti-dist", "ti-examples")
 """Every distribution under packages/, dependencies first."""
-TEST_EXTRAS: Final[Mapping[str, tuple[str, ...]]] = {"ti-examples": ("lightning", "transformers")}
-"""Extras a package's own tests need (the examples exercise Lightning and Transformers)."""
+TEST_EXTRAS: Final[Mapping[str, tuple[str, ...]]] = {
+    "ti-io": ("plot",),
+    "ti-examples": ("lightning", "transformers"),
+}
+"""Extras a package's own tests need (``ti compare --plot`` draws with matplotlib; the examples
+exercise Lightning and Transformers)."""
 
 # Tests must not reach a model hub (no network in CI) nor open plot windows.
 TEST_ENV: Final[Mapping[str, str]] = {
