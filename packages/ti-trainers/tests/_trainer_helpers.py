@@ -30,7 +30,11 @@ def hook_counts(model: nn.Module) -> HookCounts:
 def assert_clean(model: nn.Module, before: HookCounts) -> None:
     """No observer and exactly the hooks the model had before it was observed."""
     assert not has_observer(model)
-    assert hook_counts(model) == before
+    after = hook_counts(model)
+    changed = {
+        n: (before.get(n), after.get(n)) for n in {*before, *after} if before.get(n) != after.get(n)
+    }
+    assert not changed, f"hooks differ (before, after): {changed}"
     assert not any("_ti_observer" in m.__dict__ for m in model.modules())
 
 
