@@ -140,7 +140,8 @@ def minimums(session: nox.Session) -> None:
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
 def wheels(session: nox.Session) -> None:
-    """Build every package's wheel, check their metadata, install them (not the sources), test them."""
+    """Build every package's wheel, check their metadata, install them (not the sources), test
+    them."""
     tmp = Path(session.create_tmp()).resolve()
     wheelhouse = tmp / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)

@@ -27,7 +27,7 @@ ALLOWED = {
     "ti_io": {"ti_schema"},
     "ti_dist": {"ti_schema"},
     "ti_trainers": {"ti_schema", "ti_core", "ti_io"},
-    "ti_examples": {"ti_schema", "ti_core", "ti_io"},
+    "ti_examples": {"ti_schema", "ti_core", "ti_io", "ti_trainers"},
 }
 """Sibling packages each package's sources may import (a subset of what it declares)."""
 
