@@ -1,4 +1,4 @@
-"""TorchInstruments benchmark harness (issue 7): cost of the observer relative to the bare step.
+"""TorchInstruments benchmark harness (issues 7 and 16): the observer's cost against the bare step.
 
 Every configuration runs in its own fresh process (benchmarks/worker.py) with one intra-op
 thread. Configurations: ``bare`` (no observer), ``unsampled`` (attached; the one sampled first
@@ -12,6 +12,7 @@ peak RSS and history rows, with the issue's targets and PASS/FAIL; writes a CSV
 (benchmarks/results/<timestamp>.csv unless --output).
 
     python benchmarks/run.py                       # every workload, full plan
+    python benchmarks/run.py --targets             # the sampled-step targets (issue 16), 5 rounds
     python benchmarks/run.py --quick               # smoke run (one round)
     python benchmarks/run.py --workloads sequence --configs bare,unsampled --rounds 5
     python benchmarks/run.py --workloads sequence,many --repeats 9
@@ -19,6 +20,9 @@ peak RSS and history rows, with the issue's targets and PASS/FAIL; writes a CSV
 
 When ``torchinstruments`` (the released 0.8.0 wheel) is importable by ``--baseline-python``
 (default: this interpreter), it runs on the same workloads and its ratios print side by side.
+Each target line also gives the bare step time of its workload (median and range over rounds):
+a fixed observer cost is a larger share of a fast bare step, so a reader can see which end of
+the machine's speed the run was at.
 """
 
 from __future__ import annotations
@@ -90,13 +94,16 @@ COLUMNS = (
 
 @dataclass(frozen=True)
 class Target:
-    """One target of issue 7: ``value(row, bare) <= limit``."""
+    """One target: ``value(row, bare) <= limit`` on the ``ti`` row of ``workload``/``config``
+    with ``sink`` (issue: where it was set)."""
 
     workload: str
     config: str
     label: str
     limit: float
     unit: str  # "x" ratio to bare, "s", "MB", or "bool"
+    issue: int
+    sink: str = "dir"
 
     def value(self, row: dict[str, Any], bare: dict[str, Any] | None) -> float | None:
         if self.unit == "x":
@@ -124,20 +131,35 @@ class Target:
         return f"{self.label} <= {self.limit:g}{suffix}"
 
 
+# The sampled-step targets of issue 16 replace issue 7's (every forward <= 4x / 40x / 3x, RSS
+# <= bare + 3x tensor); issue 7's unsampled, interval, removal and finalization targets stand.
+# Every-forward targets are checked with the directory sink (what ``output_dir=`` gives) and,
+# as a separate line, with MemorySink (ti-core's own cost, without ti-io's Parquet parts).
 TARGETS = (
-    Target("sequence", "unsampled", "unsampled", 1.02, "x"),
-    Target("sequence", "every", "every forward", 4.0, "x"),
-    Target("sequence", "interval", "60-s interval", 1.01, "x"),
-    Target("many", "unsampled", "unsampled", 1.05, "x"),
-    Target("many", "every", "every forward", 40.0, "x"),
-    Target("many", "unsampled", "removal", 0.5, "s"),
-    Target("many", "interval", "removal", 0.5, "s"),
-    Target("large", "every", "every forward", 3.0, "x"),
-    Target("large", "every", "exact quartiles", 0.0, "bool"),
-    Target("large", "every", "peak RSS", 3.0, "MB"),
-    Target("history", "finalize", "finalize (consolidation + result.json)", 2.0, "s"),
-    Target("history", "finalize", "RSS growth", 200.0, "MB"),
+    Target("sequence", "unsampled", "unsampled", 1.02, "x", 7),
+    Target("sequence", "every", "every forward", 3.0, "x", 16),
+    Target("sequence", "every", "every forward, MemorySink", 3.0, "x", 16, "memory"),
+    Target("sequence", "interval", "60-s interval", 1.01, "x", 7),
+    Target("many", "unsampled", "unsampled", 1.05, "x", 7),
+    Target("many", "every", "every forward", 8.0, "x", 16),
+    Target("many", "every", "every forward, MemorySink", 8.0, "x", 16, "memory"),
+    Target("many", "unsampled", "removal", 0.5, "s", 7),
+    Target("many", "interval", "removal", 0.5, "s", 7),
+    Target("large", "every", "every forward", 1.5, "x", 16),
+    Target("large", "every", "every forward, MemorySink", 1.5, "x", 16, "memory"),
+    Target("large", "every", "exact quartiles", 0.0, "bool", 16),
+    Target("large", "every", "peak RSS", 2.0, "MB", 16),
+    Target("history", "finalize", "finalize (consolidation + result.json)", 2.0, "s", 7),
+    Target("history", "finalize", "RSS growth", 200.0, "MB", 7),
 )
+TARGETS_PRESET = {
+    "workloads": ["sequence", "many", "large"],
+    "configs": ["bare", "every", "every-memory", "interval"],
+    "rounds": 5,
+}
+"""``--targets``: the sampled-step targets of issue 16 (and the 60-s interval beside them)."""
+FAST_BARE_MS = {"sequence": 1.3}
+"""Bare step at the fast end of the reference machine (issue 16), shown beside the run's."""
 
 
 def _float(value: Any) -> float | None:
@@ -359,7 +381,7 @@ def aggregate(
 
 
 def _apply_targets(rows: list[dict[str, Any]]) -> list[tuple[Target, dict[str, Any], str, str]]:
-    """Check each target against the ``ti`` rows; returns (target, row, value text, status)."""
+    """Check each target against its ``ti`` row; returns (target, row, value text, status)."""
     checks = []
     bare = {(r["workload"], r["device"]): r for r in rows if r["config"] == "bare"}
     for row in rows:
@@ -367,9 +389,13 @@ def _apply_targets(rows: list[dict[str, Any]]) -> list[tuple[Target, dict[str, A
             continue
         texts, statuses = [], []
         for target in TARGETS:
-            if (target.workload, target.config) != (row["workload"], row["config"]):
+            if (target.workload, target.config, target.sink) != (
+                row["workload"],
+                row["config"],
+                row.get("sink"),
+            ):
                 continue
-            if row.get("sink") == "memory" or (row["device"] != "cpu" and target.unit != "x"):
+            if row["device"] != "cpu" and target.unit != "x":
                 continue
             value = target.value(row, bare.get((row["workload"], row["device"])))
             if row.get("error") or value is None:
@@ -391,6 +417,25 @@ def _apply_targets(rows: list[dict[str, Any]]) -> list[tuple[Target, dict[str, A
                 "FAIL" if "FAIL" in statuses else "PASS" if "PASS" in statuses else "n/a"
             )
     return checks
+
+
+def bare_speed(rows: list[dict[str, Any]], workload: str, device: str) -> str:
+    """The bare step of ``workload`` in this run: median over rounds and their range."""
+    bare = next(
+        (
+            r
+            for r in rows
+            if r["config"] == "bare" and (r["workload"], r["device"]) == (workload, device)
+        ),
+        None,
+    )
+    if bare is None or bare.get("step_ms_median") in (None, ""):
+        return ""
+    rounds = [float(v) for v in str(bare.get("round_step_ms_median") or "").split(";") if v]
+    spread = f" ({min(rounds):.3g}-{max(rounds):.3g})" if len(rounds) > 1 else ""
+    fast = FAST_BARE_MS.get(workload)
+    reference = f", fast end ~{fast:g} ms" if fast is not None else ""
+    return f"bare {float(bare['step_ms_median']):.3g} ms{spread}{reference}"
 
 
 def _fmt(value: Any, spec: str = "") -> str:
@@ -446,7 +491,7 @@ def _print_table(rows: list[dict[str, Any]], checks: list[Any], baseline_ratios:
         " rounds' min-max; min-ratio: fastest block vs fastest bare block, median over rounds;"
         " median ms, removal s, peak RSS MB, rows: medians over rounds)\n"
     )
-    print("Targets (issue 7)")
+    print("Targets (issue 16: sampled steps; issue 7: the rest)")
     width = max((len(c[0].describe()) for c in checks), default=20) + 2
     for target, row, shown, status in checks:
         other = ""
@@ -465,6 +510,9 @@ def _print_table(rows: list[dict[str, Any]], checks: list[Any], baseline_ratios:
                 other = f"   {BASELINE}: {_fmt(base.get('ratio'), '.3g')}x"
         if target.unit == "x" and _spread(row) != "-":
             other = f"   rounds {_spread(row)}{other}"
+        if target.unit == "x":
+            speed = bare_speed(rows, row["workload"], row["device"])
+            other += f"   [{speed}]" if speed else ""
         print(f"  {row['workload']:<10}{target.describe():<{width}}{shown:>16}   {status}{other}")
 
 
@@ -514,14 +562,10 @@ def _specs(args: argparse.Namespace, baseline: bool) -> list[list[dict[str, Any]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--workloads",
-        default=",".join(WORKLOADS),
-        help=f"comma-separated subset of {','.join(WORKLOADS)}",
+        "--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)"
     )
     parser.add_argument(
-        "--configs",
-        default=",".join(CONFIGS),
-        help=f"comma-separated subset of {','.join(CONFIGS)}",
+        "--configs", help=f"comma-separated subset of {','.join(CONFIGS)} (default: all)"
     )
     parser.add_argument("--repeats", type=int, help="timed blocks per configuration")
     parser.add_argument("--steps", type=int, help="steps per timed block")
@@ -536,6 +580,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default 3; 1 with --quick)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny plan and one round: a smoke run")
+    parser.add_argument(
+        "--targets",
+        action="store_true",
+        help="the sampled-step targets (issue 16): workloads "
+        f"{','.join(TARGETS_PRESET['workloads'])}, configs {','.join(TARGETS_PRESET['configs'])}, "
+        f"{TARGETS_PRESET['rounds']} rounds (explicit --workloads/--configs/--rounds win)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (synchronized timings)")
     parser.add_argument("--output", type=Path, help="CSV path (default benchmarks/results/)")
     parser.add_argument(
@@ -546,8 +597,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-baseline", action="store_true", help="skip torchinstruments")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
     args = parser.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    args.configs = [c for c in args.configs.split(",") if c]
+    preset: dict[str, Any] = TARGETS_PRESET if args.targets else {}
+    workloads_arg = args.workloads or ",".join(preset.get("workloads", WORKLOADS))
+    configs_arg = args.configs or ",".join(preset.get("configs", CONFIGS))
+    args.workloads = [w for w in workloads_arg.split(",") if w]
+    args.configs = [c for c in configs_arg.split(",") if c]
+    if args.rounds is None and preset:
+        args.rounds = preset["rounds"]
     for name in args.workloads:
         if name not in WORKLOADS:
             parser.error(f"--workloads: unknown {name!r}; choose from {','.join(WORKLOADS)}")
@@ -586,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     for group in _specs(args, baseline):
+        if hasattr(os, "getloadavg"):
+            print(f"{group[0]['workload']}: load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         # results[i][r]: the worker result of group[i] in round r (None until it ran).
         results: list[list[dict[str, Any] | None]] = [[None] * args.rounds for _ in group]
         for index in range(args.rounds):

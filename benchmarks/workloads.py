@@ -1,9 +1,12 @@
 """The benchmark workloads: a model, a way to make its input and one training (or inference) step.
 
-Each workload is the published reference one (issue 7) so figures compare with the released
-single-package torchinstruments: ``sequence``, ``many`` and ``large`` define the cost targets;
-``conv`` and ``transformer`` add realism. The step is what the ratio is taken against, so it is
-exactly what a training loop would run per batch, with nothing the observer could hide behind.
+Each workload is the published reference one (issues 7 and 16) so figures compare with the
+released single-package torchinstruments: ``sequence``, ``many`` and ``large`` define the cost
+targets; ``conv`` and ``transformer`` add realism. The step is what the ratio is taken against, so
+it is exactly what a training loop would run per batch, with nothing the observer could hide
+behind: forward, then backward of ``.square().mean()``, the input requiring grad (the
+predecessor's reference step; until issue 16 the harness ran ``.sum()`` without input gradients,
+and ``large`` forward only, under ``no_grad``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ QUICK = Defaults(warmup=2, steps=3, repeats=3, every_steps=2, interval_steps=30)
 DESCRIPTIONS = {
     "sequence": "4 x nn.Linear(128,128), input (2,128,128) float32, forward + backward",
     "many": "nn.Linear(8,8) + 1,000 nn.Identity, input (2,8), forward + backward",
-    "large": "nn.Identity on a fresh torch.randn(16,777,217) float32 per step, forward (no grad)",
+    "large": "nn.Identity on a fresh torch.randn(16,777,217) float32 per step, forward + backward",
     "conv": "2 x Conv2d+ReLU, pool, Linear; input (8,3,32,32), forward + backward",
     "transformer": "nn.TransformerEncoderLayer(128, 4 heads, ff 256), input (4,32,128), fwd + bwd",
     "history": "DirectorySink.close() on a synthetic 900,000-row history",
@@ -62,8 +65,10 @@ DESCRIPTIONS = {
 
 
 def _train_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    """Forward, then backward of ``.square().mean()``; ``x`` requires grad."""
+
     def step() -> None:
-        model(x).sum().backward()
+        model(x).square().mean().backward()
 
     return step
 
@@ -78,11 +83,11 @@ def build(name: str, device: str = "cpu") -> Workload:
     model: nn.Module
     if name == "sequence":
         model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)]).to(dev)
-        x = torch.randn(2, 128, 128, device=dev)
+        x = torch.randn(2, 128, 128, device=dev, requires_grad=True)
         return Workload(name, model, _train_step(model, x))
     if name == "many":
         model = nn.Sequential(nn.Linear(8, 8), *[nn.Identity() for _ in range(1000)]).to(dev)
-        x = torch.randn(2, 8, device=dev)
+        x = torch.randn(2, 8, device=dev, requires_grad=True)
         return Workload(name, model, _train_step(model, x))
     if name == "conv":
         model = nn.Sequential(
@@ -94,13 +99,13 @@ def build(name: str, device: str = "cpu") -> Workload:
             nn.Flatten(),
             nn.Linear(32, 10),
         ).to(dev)
-        x = torch.randn(8, 3, 32, 32, device=dev)
+        x = torch.randn(8, 3, 32, 32, device=dev, requires_grad=True)
         return Workload(name, model, _train_step(model, x))
     if name == "transformer":
         model = nn.TransformerEncoderLayer(
             d_model=128, nhead=4, dim_feedforward=256, dropout=0.0, batch_first=True
         ).to(dev)
-        x = torch.randn(4, 32, 128, device=dev)
+        x = torch.randn(4, 32, 128, device=dev, requires_grad=True)
         return Workload(name, model, _train_step(model, x))
     if name == "large":
         model = nn.Identity().to(dev)
@@ -109,11 +114,11 @@ def build(name: str, device: str = "cpu") -> Workload:
 
         def step() -> None:
             # A fresh batch per step, as a data loader would deliver it; the reduction of the
-            # output (the same tensor, Identity) is what the observer adds.
-            x = torch.randn(LARGE_NUMEL, generator=generator, device=dev)
+            # output (the same tensor, Identity) is what the observer adds. That output is the
+            # input itself, a leaf: its gradient is not captured (a gap row says so).
+            x = torch.randn(LARGE_NUMEL, generator=generator, device=dev, requires_grad=True)
             holder[:] = [x]
-            with torch.no_grad():
-                model(x)
+            model(x).square().mean().backward()
 
         return Workload(name, model, step, LARGE_NUMEL * 4, lambda: holder[0])
     raise ValueError(f"unknown workload {name!r}; choose from {sorted(DEFAULTS)}")

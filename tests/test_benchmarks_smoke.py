@@ -106,17 +106,22 @@ def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
         assert float(observed["ratio_min"]) == float(observed["ratio_max"])
         assert observed["note"] == ""
         assert float(observed["removal_s"]) >= 0
-    # Targets are checked on the directory sink (the real artifact path), not on MemorySink.
+    # Targets are checked on the directory sink (the real artifact path); the every-forward
+    # ones also on MemorySink, as their own line.
     assert by_config[("unsampled", "dir")]["status"] in {"PASS", "FAIL"}
     assert "unsampled <= 1.02x" in by_config[("unsampled", "dir")]["targets"]
-    assert by_config[("every", "memory")]["status"] == ""
+    assert by_config[("every", "memory")]["status"] in {"PASS", "FAIL"}
+    assert by_config[("every", "memory")]["targets"] == "every forward, MemorySink <= 3x"
     # Every forward is sampled: 4 layers x 2 signals x 9 metrics per step (warmup included).
     every = by_config[("every", "memory")]
     assert int(every["history_rows"]) == (1 + 2) * 4 * 2 * 9
     # unsampled: only the first forward (in the warmup) is sampled.
     assert int(by_config[("unsampled", "dir")]["history_rows"]) == 4 * 2 * 9
-    assert "Targets (issue 7)" in done.stdout
+    assert "Targets (issue 16: sampled steps; issue 7: the rest)" in done.stdout
     assert "1 round(s) per workload" in done.stdout
+    # each ratio target names the bare step it was measured against
+    bare_ms = float(by_config[("bare", "-")]["step_ms_median"])
+    assert f"[bare {bare_ms:.3g} ms, fast end ~1.3 ms]" in done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +220,29 @@ def test_failed_round_and_differing_rows_are_reported(harness: ModuleType) -> No
     assert interval["round_ratios"] == "1.5000;;1.2500"
     assert interval["ratio"] == pytest.approx(float(np.median([1.5, 1.25])))
     assert "note" not in interval
+
+
+def test_targets_preset_selects_the_sampled_step_workloads(harness: ModuleType) -> None:
+    args = harness.parse_args(["--targets", "--no-baseline"])
+    assert args.workloads == ["sequence", "many", "large"]
+    assert args.configs == ["bare", "every", "every-memory", "interval"]
+    assert args.rounds == 5
+    narrowed = harness.parse_args(["--targets", "--workloads", "many", "--rounds", "2"])
+    assert (narrowed.workloads, narrowed.rounds) == (["many"], 2)
+
+
+def test_bare_speed_gives_the_median_and_range_over_rounds(harness: ModuleType) -> None:
+    bare = {
+        "workload": "sequence",
+        "device": "cpu",
+        "config": "bare",
+        "step_ms_median": 1.52,
+        "round_step_ms_median": "1.4100;1.5200;2.0300",
+    }
+    assert harness.bare_speed([bare], "sequence", "cpu") == (
+        "bare 1.52 ms (1.41-2.03), fast end ~1.3 ms"
+    )
+    assert harness.bare_speed([{**bare, "workload": "many"}], "many", "cpu") == (
+        "bare 1.52 ms (1.41-2.03)"
+    )
+    assert harness.bare_speed([bare], "large", "cpu") == ""

@@ -4,6 +4,8 @@ engine (docs/metrics.md), and the reduction engine's tables agree with ti-schema
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +207,20 @@ def test_large_cpu_moments_are_carried_in_the_measurements() -> None:
     a = t.numpy().astype(np.float64)
     assert (m.lo, m.hi, m.finite, m.nonfinite) == (a.min(), a.max(), a.size, 0)
     np.testing.assert_allclose([m.total, m.squares], [a.sum(), (a * a).sum()], rtol=1e-9)
+
+
+def test_importing_ti_core_leaves_torch_dynamo_unimported() -> None:
+    """torch.compile's machinery costs seconds and ~80 MB to import: only programs that
+    compile pay for it (the hooks wrap themselves for it on first use under compile)."""
+    probe = (
+        "import sys, torch, ti_core; from torch import nn; "
+        "m = nn.Sequential(nn.Linear(2, 2)); s = ti_core.MemorySink(); "
+        "ti_core.inject_observer(m, sink=s, sampler=ti_core.AlwaysSampler()); "
+        "m(torch.randn(3, 2)).sum().backward(); ti_core.remove_observer(m); "
+        "assert s.table().num_rows > 0; print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -1,6 +1,7 @@
 """Columnar ``ti.history`` / ``ti.histograms`` record batches built from numpy arrays.
 
-One Python object per measured *tensor* (its :class:`Entry`), none per row: identity columns are
+No Python object per row, and none per measured tensor on the capture path: capture appends
+each tensor's identity and context to the columns of an :class:`Entries`; identity columns are
 repeated per metric with ``take``, values come straight from the reducers' float64 matrix.
 """
 
@@ -8,14 +9,16 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 
-from ti_core.reduction.histograms import HistogramData
+from ti_core.reduction import layout
+from ti_core.reduction.histograms import HistogramData, HistogramRows, single_value_limit
 
 SignalName = Literal["output", "output_gradient"]
 """Values of the ``signal`` column (``ti_schema.SIGNALS``)."""
@@ -34,6 +37,108 @@ class Entry:
     shape: tuple[int, ...]
     dtype: str
     timestamp_us: int
+
+
+class Entries:
+    """Identity and context of measured tensors, one list per :class:`Entry` field.
+
+    What the record batches are built from: column ``f`` of row ``i`` is field ``f`` of the
+    ``i``-th measured tensor. Capture records rows (``ti_core.capture.batch.Row``) and turns
+    them into columns once per signal.
+    """
+
+    __slots__ = (
+        "call_index",
+        "dtype",
+        "grad_enabled",
+        "layer",
+        "path",
+        "shape",
+        "timestamp_us",
+        "train",
+    )
+
+    def __init__(self) -> None:
+        self.layer: list[int] = []
+        self.call_index: list[int] = []
+        self.path: list[str] = []
+        self.train: list[bool] = []
+        self.grad_enabled: list[bool] = []
+        self.shape: list[tuple[int, ...]] = []
+        self.dtype: list[str] = []
+        self.timestamp_us: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.layer)
+
+    def __getitem__(self, i: int) -> Entry:
+        return Entry(
+            self.layer[i],
+            self.call_index[i],
+            self.path[i],
+            self.train[i],
+            self.grad_enabled[i],
+            self.shape[i],
+            self.dtype[i],
+            self.timestamp_us[i],
+        )
+
+    @classmethod
+    def of_columns(
+        cls,
+        layer: list[int],
+        call_index: list[int],
+        path: list[str],
+        train: list[bool],
+        grad_enabled: list[bool],
+        shape: list[tuple[int, ...]],
+        dtype: list[str],
+        timestamp_us: list[int],
+    ) -> Entries:
+        """Entries from equally long columns (taken, not copied)."""
+        lengths = {len(c) for c in (layer, call_index, path, train, grad_enabled, shape, dtype)}
+        if lengths != {len(timestamp_us)}:
+            raise ValueError(f"entry columns differ in length: {sorted(lengths)}")
+        out = cls()
+        out.layer, out.call_index, out.path, out.train = layer, call_index, path, train
+        out.grad_enabled, out.shape, out.dtype = grad_enabled, shape, dtype
+        out.timestamp_us = timestamp_us
+        return out
+
+    @classmethod
+    def of(cls, entries: Iterable[Entry]) -> Entries:
+        """The columns of ``entries``."""
+        out = cls()
+        for e in entries:
+            out.append(e)
+        return out
+
+    def append(self, e: Entry) -> None:
+        """Add ``e`` as the last row."""
+        self.layer.append(e.layer)
+        self.call_index.append(e.call_index)
+        self.path.append(e.path)
+        self.train.append(e.train)
+        self.grad_enabled.append(e.grad_enabled)
+        self.shape.append(e.shape)
+        self.dtype.append(e.dtype)
+        self.timestamp_us.append(e.timestamp_us)
+
+    def take(self, rows: Sequence[int]) -> Entries:
+        """The entries at ``rows``, in that order."""
+        out = Entries()
+        if not rows:
+            return out
+        get = itemgetter(*rows)
+        for name in Entries.__slots__:
+            picked = get(getattr(self, name))
+            setattr(out, name, list(picked) if len(rows) > 1 else [picked])
+        return out
+
+
+def as_entries(entries: Entries | Sequence[Entry]) -> Entries:
+    """``entries`` as columns (a sequence of :class:`Entry` is converted)."""
+    return entries if isinstance(entries, Entries) else Entries.of(entries)
 
 
 @dataclass(frozen=True)
@@ -80,17 +185,20 @@ class RunColumns:
         return column
 
     def static_columns(
-        self, signal: SignalName, entries: Sequence[Entry], repeat: int
+        self, signal: SignalName, entries: Entries, repeat: int
     ) -> tuple[list[pa.Array], np.ndarray]:
         """Columns that depend only on the entries' identity (all but timestamp, sample and
         forward index), ``repeat`` rows per entry, and the row-to-entry index."""
         key = (
             signal,
             repeat,
-            tuple(
-                (e.layer, e.call_index, e.path, e.train, e.grad_enabled, e.shape, e.dtype)
-                for e in entries
-            ),
+            tuple(entries.layer),
+            tuple(entries.call_index),
+            tuple(entries.path),
+            tuple(entries.train),
+            tuple(entries.grad_enabled),
+            tuple(entries.shape),
+            tuple(entries.dtype),
         )
         with self._static_lock:
             hit = self._static.get(key)
@@ -135,13 +243,13 @@ def _identity(
     signal: SignalName,
     sample_id: int,
     forward_index: int,
-    entries: Sequence[Entry],
+    entries: Entries,
     repeat: int,
 ) -> list[pa.Array]:
     rows = len(entries) * repeat
     static, rep = run.static_columns(signal, entries, repeat)
     run_id, rank, layer, module_type, call, signal_col, path, mode, grad, shapes, dtype = static
-    stamps = np.fromiter((e.timestamp_us for e in entries), dtype=np.int64, count=len(entries))
+    stamps = np.asarray(entries.timestamp_us, dtype=np.int64)
     return [
         run_id,
         rank,
@@ -161,18 +269,18 @@ def _identity(
 
 
 def _static_columns(
-    run: RunColumns, signal: SignalName, entries: Sequence[Entry], repeat: int
+    run: RunColumns, signal: SignalName, entries: Entries, repeat: int
 ) -> tuple[list[pa.Array], np.ndarray]:
     n = len(entries)
     rows = n * repeat
     rep = np.repeat(np.arange(n, dtype=np.int64), repeat)
-    layer = np.fromiter((e.layer for e in entries), dtype=np.int64, count=n)[rep]
-    call = np.fromiter((e.call_index for e in entries), dtype=np.int32, count=n)[rep]
-    train = np.fromiter((e.train for e in entries), dtype=np.int64, count=n)[rep]
-    grad = np.fromiter((e.grad_enabled for e in entries), dtype=np.bool_, count=n)[rep]
-    lengths = np.fromiter((len(e.shape) for e in entries), dtype=np.int64, count=n)
+    layer = np.asarray(entries.layer, dtype=np.int64)[rep]
+    call = np.asarray(entries.call_index, dtype=np.int32)[rep]
+    train = np.asarray(entries.train, dtype=np.int64)[rep]
+    grad = np.asarray(entries.grad_enabled, dtype=np.bool_)[rep]
+    lengths = np.fromiter(map(len, entries.shape), dtype=np.int64, count=n)
     dims = np.fromiter(
-        (d for e in entries for d in e.shape), dtype=np.int64, count=int(lengths.sum())
+        (d for shape in entries.shape for d in shape), dtype=np.int64, count=int(lengths.sum())
     )
     # each entry's dims repeated ``repeat`` times, with offsets over the repeated rows
     row_lengths = lengths[rep]
@@ -182,8 +290,8 @@ def _static_columns(
     np.cumsum(lengths[:-1], out=starts[1:])
     gather = np.repeat(starts[rep] - offsets[:-1], row_lengths) + np.arange(offsets[-1])
     shapes = pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims[gather], pa.int64()))
-    paths = np.array([e.path for e in entries], dtype=object)
-    dtypes = np.array([e.dtype for e in entries], dtype=object)
+    paths = np.array(entries.path, dtype=object)
+    dtypes = np.array(entries.dtype, dtype=object)
     columns = [
         constant_strings(run.run_id, rows),
         pa.array(np.full(rows, run.rank, dtype=np.int32)),
@@ -205,7 +313,7 @@ def history_batch(
     signal: SignalName,
     sample_id: int,
     forward_index: int,
-    entries: Sequence[Entry],
+    entries: Entries | Sequence[Entry],
     values: np.ndarray,
     available: np.ndarray,
     reasons: Sequence[Sequence[str | None]],
@@ -215,6 +323,7 @@ def history_batch(
     ``value`` is null exactly where ``available`` is False (or the value is NaN); the reason is
     then the reducer's, or a generic one if it gave none.
     """
+    entries = as_entries(entries)
     n_metrics = len(run.metric_names)
     n = len(entries)
     values = np.asarray(values, dtype=np.float64).reshape(n, n_metrics)
@@ -249,7 +358,7 @@ def unavailable_batch(
     signal: SignalName,
     sample_id: int,
     forward_index: int,
-    entries: Sequence[Entry],
+    entries: Entries | Sequence[Entry],
     reasons: Sequence[str],
 ) -> pa.RecordBatch:
     """Rows that record a coverage gap: every metric null with the entry's reason."""
@@ -276,10 +385,37 @@ def histogram_batch(
     signal: SignalName,
     sample_id: int,
     forward_index: int,
-    entries: Sequence[Entry],
-    histograms: Sequence[HistogramData],
+    entries: Entries | Sequence[Entry],
+    histograms: HistogramRows | Sequence[HistogramData],
 ) -> pa.RecordBatch:
     """One ``ti.histograms`` row per entry."""
+    entries = as_entries(entries)
+    if isinstance(histograms, HistogramRows):
+        lists = _histogram_lists(histograms)
+    else:
+        lists = _histogram_data_lists(histograms)
+    limits, limit_offsets, counts, count_offsets, heads, num, nonfinite = lists
+    no_range = num == 0
+    columns = [
+        *_identity(run, signal, sample_id, forward_index, entries, 1),
+        pa.ListArray.from_arrays(pa.array(limit_offsets), pa.array(limits, pa.float64())),
+        pa.ListArray.from_arrays(pa.array(count_offsets), pa.array(counts, pa.int64())),
+        pa.array(heads[:, 0], pa.float64(), mask=no_range),
+        pa.array(heads[:, 1], pa.float64(), mask=no_range),
+        pa.array(num, pa.int64()),
+        pa.array(heads[:, 3]),
+        pa.array(heads[:, 4]),
+        pa.array(nonfinite, pa.int64()),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=run.histogram_schema)
+
+
+_Lists = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Bucket limits and their offsets, counts and theirs, the (k, 6) heads (min, max, num, sum,
+sum of squares, non-finite), num and non-finite counts as int64."""
+
+
+def _histogram_data_lists(histograms: Sequence[HistogramData]) -> _Lists:
     limits = [np.asarray(h.bucket_limits, dtype=np.float64) for h in histograms]
     counts = [np.asarray(h.bucket_counts, dtype=np.int64) for h in histograms]
     limit_offsets = np.zeros(len(histograms) + 1, dtype=np.int32)
@@ -300,16 +436,39 @@ def histogram_batch(
         ],
         dtype=np.float64,
     ).reshape(len(histograms), 6)
-    no_range = np.array([h.min is None for h in histograms], dtype=np.bool_)
-    columns = [
-        *_identity(run, signal, sample_id, forward_index, entries, 1),
-        pa.ListArray.from_arrays(pa.array(limit_offsets), pa.array(_concat(limits, np.float64))),
-        pa.ListArray.from_arrays(pa.array(count_offsets), pa.array(_concat(counts, np.int64))),
-        pa.array(heads[:, 0], pa.float64(), mask=no_range),
-        pa.array(heads[:, 1], pa.float64(), mask=no_range),
-        pa.array([int(h.num) for h in histograms], pa.int64()),
-        pa.array(heads[:, 3]),
-        pa.array(heads[:, 4]),
-        pa.array([int(h.nonfinite_count) for h in histograms], pa.int64()),
-    ]
-    return pa.RecordBatch.from_arrays(columns, schema=run.histogram_schema)
+    num = np.array([int(h.num) for h in histograms], dtype=np.int64)
+    nonfinite = np.array([int(h.nonfinite_count) for h in histograms], dtype=np.int64)
+    return (
+        _concat(limits, np.float64),
+        limit_offsets,
+        _concat(counts, np.int64),
+        count_offsets,
+        heads,
+        num,
+        nonfinite,
+    )
+
+
+def _histogram_lists(histograms: HistogramRows) -> _Lists:
+    """The columns of ``histograms`` from its matrix, as :class:`HistogramData` would give them
+    (empty histograms have no bucket and zero sums; a single-valued one has one bucket)."""
+    rows, bins = histograms.rows, histograms.bins
+    k = len(rows)
+    heads = rows[:, : layout.HISTOGRAM_HEAD].copy()
+    num = heads[:, layout.H_NUM].astype(np.int64)
+    nonfinite = heads[:, layout.H_NONFINITE].astype(np.int64)
+    empty = num == 0
+    heads[empty, layout.H_SUM] = 0.0
+    heads[empty, layout.H_SUM_SQUARES] = 0.0
+    single = ~empty & (heads[:, layout.H_MIN] == heads[:, layout.H_MAX])
+    edges = layout.histogram_edges(bins)
+    limits = rows[:, edges.start + 1 : edges.stop].copy()
+    counts = rows[:, layout.histogram_counts(bins)].astype(np.int64)
+    for r in np.flatnonzero(single).tolist():
+        limits[r, 0] = single_value_limit(float(heads[r, layout.H_MAX]))
+        counts[r, 0] = num[r]
+    lengths = np.where(empty, 0, np.where(single, 1, bins))
+    offsets = np.zeros(k + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    kept = np.arange(bins)[None, :] < lengths[:, None]
+    return limits[kept], offsets, counts[kept], offsets, heads, num, nonfinite

@@ -15,7 +15,13 @@ from ti_io.compare import ComparedRun, compare_runs, compare_series, open_runs, 
 from ti_io.config import HistoryConfig
 from ti_io.consolidate import Consolidated, consolidate
 from ti_io.directory_sink import DirectorySink
-from ti_io.errors import ArtifactWriteError, NothingToConsolidateError
+from ti_io.errors import (
+    ArtifactWriteError,
+    FinalizationBusyError,
+    FinalizationError,
+    NothingToConsolidateError,
+    ShrinkRefusedError,
+)
 from ti_io.legacy import Upgraded, UpgradedRun, UpgradeError, upgrade
 from ti_io.legacy_layout import LegacyRunError, legacy_reason
 from ti_io.progress import ProgressCallback
@@ -28,10 +34,13 @@ __all__ = [
     "ComparedRun",
     "Consolidated",
     "DirectorySink",
+    "FinalizationBusyError",
+    "FinalizationError",
     "HistoryConfig",
     "LegacyRunError",
     "NothingToConsolidateError",
     "ProgressCallback",
+    "ShrinkRefusedError",
     "TensorBoardSink",
     "UpgradeError",
     "Upgraded",

@@ -26,8 +26,9 @@ import polars as pl
 from ti_io.compare import ComparedRun, compare_runs, compare_series, open_runs, unshared
 from ti_io.config import HistoryConfig
 from ti_io.consolidate import consolidate
-from ti_io.errors import NothingToConsolidateError
+from ti_io.errors import FinalizationError, NothingToConsolidateError
 from ti_io.facts import read_catalog, read_run_facts
+from ti_io.journal import read_journal
 from ti_io.legacy import UpgradeError, upgrade, upgraded_from
 from ti_io.legacy_layout import check_not_legacy
 from ti_io.progress import TerminalProgress
@@ -35,7 +36,7 @@ from ti_io.readers import scan_history
 from ti_io.result_json import AGGREGATES, TENSOR_KEYS, aggregate
 from ti_schema import DEFAULT_METRICS, SCHEMA_VERSION, SIGNALS, Signal
 from ti_schema.artifacts import artifact_dir_problems
-from ti_schema.layout import HISTORY_FILE
+from ti_schema.layout import HISTORY_FILE, JOURNAL_FILE, list_rank_dirs
 
 OK: Final[int] = 0
 REFUSED: Final[int] = 1
@@ -46,9 +47,11 @@ EXIT_CODES: Final[tuple[tuple[int, str], ...]] = (
     (
         REFUSED,
         "the run does not conform (ti validate), or the command refused the run: not a run, "
-        "a torchinstruments 0.8.0 run, nothing to consolidate, the writer is still alive, an "
-        "occupied upgrade destination, runs that share no layer, a --layer or --metric filter "
-        "that matches nothing",
+        "a torchinstruments 0.8.0 run, nothing to consolidate, the writer is still alive, "
+        "another finalizer at work, a file operation that failed (the message names the "
+        "command that finishes), a finished file that would shrink, an occupied upgrade "
+        "destination, runs that share no layer, a --layer or --metric filter that matches "
+        "nothing",
     ),
     (USAGE, "usage error: unknown option or bad value, a path that does not exist"),
     (PIPE_CLOSED, "the reader of the output went away (ti summary DIR | head)"),
@@ -364,14 +367,38 @@ def _compare(args: argparse.Namespace) -> int:
     return OK
 
 
+def _journals(root: Path) -> tuple[list[str], list[str]]:
+    """Problems with the finalization journals of ``root`` (or of its rank directories), and a
+    note for each run whose finalization was interrupted."""
+    problems: list[str] = []
+    notes: list[str] = []
+    runs = [child for _, child in list_rank_dirs(root)] or [root]
+    for run in runs:
+        try:
+            journal = read_journal(run)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{run / JOURNAL_FILE}: {exc}")
+            continue
+        if journal is not None:
+            notes.append(
+                f"{run}: its finalization was interrupted after the step {journal.state.value!r} "
+                f"({JOURNAL_FILE}); `ti consolidate {run}` finishes it"
+            )
+    return problems, notes
+
+
 def _validate(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     try:
         # Live and interrupted runs are checked as they stand: parts, catalog and index.md.
-        problems = artifact_dir_problems(root, allow_live=True)
+        problems = [str(p) for p in artifact_dir_problems(root, allow_live=True)]
     except NotADirectoryError as exc:
         print(f"ti validate: {exc}", file=sys.stderr)
         return REFUSED
+    journal_problems, notes = _journals(root)
+    problems += journal_problems
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if problems:
         print(f"{root}: {len(problems)} problem(s)")
         for problem in problems:
@@ -386,11 +413,18 @@ def _consolidate(args: argparse.Namespace) -> int:
     try:
         with TerminalProgress("consolidating", "parts", enabled=args.progress) as progress:
             done = consolidate(args.dir, history_config=config, force=args.force, progress=progress)
-    except (NothingToConsolidateError, RuntimeError) as exc:
+    except (NothingToConsolidateError, RuntimeError, FinalizationError) as exc:
         print(f"ti consolidate: {exc}", file=sys.stderr)
         return REFUSED
     if done.already_done:
         print(f"{done.directory}: already consolidated ({done.history_rows} history rows)")
+    elif done.resumed_from is not None:
+        print(
+            f"{done.directory}: resumed the interrupted finalization (journal state "
+            f"{done.resumed_from!r}) and finished it: {done.history_rows} history rows and "
+            f"{done.histogram_rows} histogram rows"
+            + (f", from {done.parts} parts" if done.parts else "")
+        )
     else:
         print(
             f"{done.directory}: consolidated {done.parts} parts into {done.history_rows} history "
@@ -616,7 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "compare" and len(args.runs) < 2:
             raise UsageError(f"compare two or more runs, got {len(args.runs)}")
         for name in args.paths:
-            if args.command != "upgrade":
+            # consolidate checks for itself, naming how to go on; upgrade wants a 0.8.0 run
+            if args.command in _ACTIONS:
                 value = getattr(args, name)
                 for path in value if isinstance(value, list) else [value]:
                     check_not_legacy(path, _ACTIONS[args.command])
@@ -628,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return USAGE
-    except (OSError, ValueError, RuntimeError) as exc:  # LegacyRunError too: one line
+    except (OSError, ValueError, RuntimeError) as exc:  # LegacyRunError, a failing disk: one line
         print(f"{prefix}: {exc}", file=sys.stderr)
         return REFUSED
 
@@ -647,7 +682,6 @@ _ACTIONS = {
     "summary": "summarized",
     "compare": "compared",
     "validate": "validated against the current contract",
-    "consolidate": "consolidated",
 }
 
 

@@ -9,16 +9,20 @@ too big for :data:`SNAPSHOT_BUDGET_BYTES`, which is reduced at once, in place.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from operator import itemgetter
+from typing import Final, overload
 
 import numpy as np
 import torch
 
 from ti_core.capture.snapshots import SnapshotPool
-from ti_core.records import Entry
-from ti_core.reduction.histograms import DEFAULT_BINS, HistogramData, compute_histograms
+from ti_core.records import Entries, Entry
+from ti_core.reduction import layout
+from ti_core.reduction.histograms import DEFAULT_BINS, HistogramRows, histogram_rows
 from ti_core.reduction.plan import ReductionPlan
+from ti_core.reduction.support import dtype_name
 
 SNAPSHOT_BUDGET_BYTES: Final[int] = 64 * 2**20
 """Tensors are cloned for a batched reduction until a batch holds this much; beyond it, pending
@@ -38,13 +42,22 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
 class Reduced:
     """Measurements of a batch of entries, aligned with ``entries``."""
 
-    entries: list[Entry]
+    entries: Entries
     values: np.ndarray
     available: np.ndarray
-    reasons: list[list[str | None]]
+    reasons: Sequence[list[str | None]]
     errors: list[BaseException]
-    histogram_entries: list[Entry] = field(default_factory=list)
-    histograms: list[HistogramData] = field(default_factory=list)
+    histogram_entries: Entries = field(default_factory=Entries)
+    histograms: HistogramRows = field(
+        default_factory=lambda: HistogramRows(np.zeros((0, layout.histogram_width(1))), 1)
+    )
+
+
+Row = tuple[int, int, str, bool, bool, int, int]
+"""One entry as capture records it: ``(layer, call_index, path, train, grad_enabled, slot,
+timestamp_us)``. A tuple of atomic values: one allocation per module call, which the cyclic
+collector stops tracking at its next pass (an object per entry made its full passes frequent on
+wide models)."""
 
 
 class TensorBatch:
@@ -53,7 +66,13 @@ class TensorBatch:
     Snapshots (``detach().clone()``) are taken at the module boundary so later in-place ops
     cannot change what is measured; a tensor that does not fit the budget is reduced at once.
     The same tensor object seen again unchanged (same version: e.g. through ``nn.Identity``
-    chains or a parent returning its child's output) is measured once and its row repeated.
+    chains or a parent returning its child's output) is measured once and its row repeated:
+    each distinct tensor is a *slot*, each entry (a :data:`Row`) points at one.
+
+    A gradient batch's entries are derived: they take layer, call, path and context from the
+    forward entries they answer (:meth:`add_derived`). :meth:`finish` turns the rows into the
+    columns the records are built from (:class:`~ti_core.records.Entries`), on the thread that
+    emits the signal (the emission worker, when it runs).
     """
 
     def __init__(
@@ -70,9 +89,16 @@ class TensorBatch:
         self._focus = focus
         self._bins = bins
         self._n_metrics = len(plan.metric_names)
-        self.entries: list[Entry] = []
-        self._slot_of: list[int] = []
+        self.rows: list[Row] = []
+        """Entries added with :meth:`add`, in order (complete once the signal ends)."""
         self._slot_focus: list[bool] = []
+        self._slot_shape: list[tuple[int, ...]] = []
+        self._slot_dtype: list[str] = []
+        # derived entries (gradients): picks into the forward rows, each with slot and time
+        self._source: list[Row] | None = None
+        self._picks: list[int] = []
+        self._pick_slot: list[int] = []
+        self._pick_stamp: list[int] = []
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
         self._pending: list[torch.Tensor] = []
         self._pending_slots: list[int] = []
@@ -82,61 +108,116 @@ class TensorBatch:
         self._reasons: list[list[str | None]] = []
         self._reduced_slots: list[int] = []
         self._errors: list[BaseException] = []
-        self._hist: dict[int, HistogramData] = {}
+        self._hist: dict[int, np.ndarray] = {}
+        """Histogram row (``ti_core.reduction.layout``) of each focus slot."""
         self.host_only = True
         """Every tensor added so far lives in host memory (the emission worker may reduce it)."""
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.rows) + len(self._picks)
 
     @property
     def pending_bytes(self) -> int:
         """Bytes of the snapshots waiting for :meth:`finish`."""
         return self._bytes
 
-    def add(self, entry: Entry, tensor: torch.Tensor) -> None:
+    def add(
+        self,
+        tensor: torch.Tensor,
+        layer: int,
+        call_index: int,
+        path: str,
+        train: bool,
+        grad_enabled: bool,
+        timestamp_us: int,
+    ) -> int:
+        """Record one entry measuring ``tensor`` (it becomes ``rows[-1]``); returns its slot."""
+        # the unchanged-tensor test of _slot, inlined: it runs for every module call
+        seen = self._seen.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor_version(tensor):
+            slot = seen[2]
+            if layer in self._focus:
+                self._slot_focus[slot] = True
+        else:
+            slot = self._slot(tensor, layer in self._focus)
+        self.rows.append((layer, call_index, path, train, grad_enabled, slot, timestamp_us))
+        return slot
+
+    def entry(self, row: int) -> Entry:
+        """Entry ``row`` of :attr:`rows`, whole (for the rare rows that need one alone)."""
+        layer, call_index, path, train, grad_enabled, slot, stamp = self.rows[row]
+        return Entry(
+            layer,
+            call_index,
+            path,
+            train,
+            grad_enabled,
+            self._slot_shape[slot],
+            self._slot_dtype[slot],
+            stamp,
+        )
+
+    def add_derived(
+        self, tensor: torch.Tensor, source: list[Row], picks: list[int], timestamp_us: int
+    ) -> None:
+        """Record one entry per ``picks`` of ``source`` (a sample's forward rows), each
+        measuring ``tensor`` (their output gradient) with its own shape, dtype and time."""
+        if self._source is None:
+            self._source = source
+        elif self._source is not source:  # pragma: no cover - one gradient state, one source
+            raise ValueError("a batch derives entries from one source")
+        focus = self._focus
+        slot = self._slot(tensor, any(source[r][0] in focus for r in picks))
+        self._picks += picks
+        self._pick_slot += [slot] * len(picks)
+        self._pick_stamp += [timestamp_us] * len(picks)
+
+    def _slot(self, tensor: torch.Tensor, focus: bool) -> int:
+        """The slot of ``tensor``: the same unchanged tensor seen before, or a new snapshot."""
         key = id(tensor)
         version = tensor_version(tensor)
         seen = self._seen.get(key)
-        focus = entry.layer in self._focus
         if seen is not None and version is not None and seen[1] == version and seen[0]() is tensor:
             slot = seen[2]
             if focus:
                 self._slot_focus[slot] = True
+            return slot
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            self.host_only = False
+        nbytes = t.numel() * t.element_size()
+        fits = self._bytes + nbytes <= SNAPSHOT_BUDGET_BYTES
+        if not fits:
+            snap = t
+        elif self._pool is not None and SnapshotPool.poolable(t):
+            snap = self._pool.copy(t)
+            self._pooled.append(snap)
         else:
-            t = tensor.detach()
-            if t.device.type != "cpu":
-                self.host_only = False
-            nbytes = t.numel() * t.element_size()
-            fits = self._bytes + nbytes <= SNAPSHOT_BUDGET_BYTES
-            if not fits:
-                snap = t
-            elif self._pool is not None and SnapshotPool.poolable(t):
-                snap = self._pool.copy(t)
-                self._pooled.append(snap)
-            else:
-                snap = t.clone()
-            slot = len(self._slot_focus)
-            self._slot_focus.append(focus)
-            if version is not None:
-                self._seen[key] = (weakref.ref(tensor), version, slot)
-            self._pending.append(snap)
-            self._pending_slots.append(slot)
-            if fits:
-                self._bytes += nbytes
-            else:
-                self._reduce_pending()
-        self.entries.append(entry)
-        self._slot_of.append(slot)
+            snap = t.clone()
+        slot = len(self._slot_focus)
+        self._slot_focus.append(focus)
+        self._slot_shape.append(tuple(t.shape))
+        self._slot_dtype.append(dtype_name(t.dtype))
+        if version is not None:
+            self._seen[key] = (weakref.ref(tensor), version, slot)
+        self._pending.append(snap)
+        self._pending_slots.append(slot)
+        if fits:
+            self._bytes += nbytes
+        else:
+            # The capturing thread waits for this pass; a helper thread may share it only
+            # where the user let torch use more than one intra-op thread.
+            self._reduce_pending(parallel=torch.get_num_threads() > 1)
+        return slot
 
-    def _reduce_pending(self) -> None:
+    def _reduce_pending(self, parallel: bool = False) -> None:
         if not self._pending:
             return
         tensors, slots = self._pending, self._pending_slots
         self._pending, self._pending_slots, self._bytes = [], [], 0
         n, m = len(tensors), self._n_metrics
         try:
-            got = self._plan.reduce(tensors)
+            got = self._plan.reduce(tensors, parallel=parallel)
             values = np.asarray(got.values, dtype=np.float64).reshape(n, m)
             available = np.asarray(got.available, dtype=np.bool_).reshape(n, m)
             reasons = [list(r) for r in got.reasons]
@@ -160,13 +241,17 @@ class TensorBatch:
         ]
         if focus:
             try:
-                hists = compute_histograms(
+                hists = histogram_rows(
                     [t for _, t, _, _ in focus],
                     bins=self._bins,
                     ordered=[o for _, _, o, _ in focus],
                     moments=[known for _, _, _, known in focus],
+                    trusted=True,
+                    parallel=parallel,
                 )
-                self._hist.update((s, h) for (s, _, _, _), h in zip(focus, hists, strict=True))
+                self._hist.update(
+                    (s, row) for (s, _, _, _), row in zip(focus, hists.rows, strict=True)
+                )
             except Exception as error:
                 self._errors.append(error)
         if self._pool is not None and self._pooled:
@@ -174,32 +259,82 @@ class TensorBatch:
             self._pool.recycle(self._pooled)
             self._pooled = []
 
+    def _entries(self) -> tuple[Entries, list[int]]:
+        """The entries as columns, and the slot of each (derived ones resolved)."""
+        if self._source is not None and self._picks:
+            picks = self._picks
+            picked = itemgetter(*picks)(self._source)
+            rows = list(picked) if len(picks) > 1 else [picked]
+            columns = list(zip(*rows, strict=True))
+            layer, call_index, path, train, grad_enabled = (list(c) for c in columns[:5])
+            slots, stamps = self._pick_slot, self._pick_stamp
+        elif self.rows:
+            layer, call_index, path, train, grad_enabled, slots, stamps = (
+                list(c) for c in zip(*self.rows, strict=True)
+            )
+        else:
+            return Entries(), []
+        shape = itemgetter(*slots)(self._slot_shape)
+        dtype = itemgetter(*slots)(self._slot_dtype)
+        if len(slots) == 1:
+            shape, dtype = (shape,), (dtype,)
+        return (
+            Entries.of_columns(
+                layer, call_index, path, train, grad_enabled, list(shape), list(dtype), stamps
+            ),
+            slots,
+        )
+
     def finish(self) -> Reduced:
         """Reduce what is pending and return every measurement in entry order."""
         self._reduce_pending()
         self._seen.clear()
+        entries, slot_of = self._entries()
         m = self._n_metrics
-        if not self.entries:
-            return Reduced([], np.empty((0, m)), np.empty((0, m), np.bool_), [], self._errors)
+        if not slot_of:
+            return Reduced(entries, np.empty((0, m)), np.empty((0, m), np.bool_), [], self._errors)
         row_of_slot = np.empty(len(self._slot_focus), dtype=np.int64)
         row_of_slot[np.asarray(self._reduced_slots, dtype=np.int64)] = np.arange(
             len(self._reduced_slots)
         )
-        rows = row_of_slot[np.asarray(self._slot_of, dtype=np.int64)]
+        rows = row_of_slot[np.asarray(slot_of, dtype=np.int64)]
         values = np.concatenate(self._values)[rows]
         available = np.concatenate(self._available)[rows]
-        reasons = [self._reasons[i] for i in rows.tolist()]
-        hist_entries: list[Entry] = []
-        histograms: list[HistogramData] = []
+        reasons = _RowReasons(self._reasons, rows)
+        reduced = Reduced(entries, values, available, reasons, self._errors)
         if self._hist:
-            for entry, slot in zip(self.entries, self._slot_of, strict=True):
-                hist = self._hist.get(slot)
-                if hist is not None and entry.layer in self._focus:
-                    hist_entries.append(entry)
-                    histograms.append(hist)
-        return Reduced(
-            self.entries, values, available, reasons, self._errors, hist_entries, histograms
-        )
+            focus, hist = self._focus, self._hist
+            hist_rows = [
+                i
+                for i, (layer, slot) in enumerate(zip(entries.layer, slot_of, strict=True))
+                if slot in hist and layer in focus
+            ]
+            if hist_rows:
+                matrix = np.stack([hist[slot_of[i]] for i in hist_rows])
+                reduced.histograms = HistogramRows(matrix, self._bins)
+                reduced.histogram_entries = entries.take(hist_rows)
+        return reduced
 
 
-__all__ = ["SNAPSHOT_BUDGET_BYTES", "Reduced", "TensorBatch", "tensor_version"]
+class _RowReasons(Sequence[list[str | None]]):
+    """The reasons of each entry, looked up in the reduced rows only when asked (the record
+    batch asks only for entries with a missing value, rarely any)."""
+
+    def __init__(self, by_row: list[list[str | None]], rows: np.ndarray) -> None:
+        self._by_row = by_row
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> list[str | None]: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[list[str | None]]: ...
+    def __getitem__(self, i: int | slice) -> list[str | None] | Sequence[list[str | None]]:
+        if isinstance(i, slice):
+            return [self._by_row[r] for r in self._rows[i].tolist()]
+        return self._by_row[int(self._rows[i])]
+
+
+__all__ = ["SNAPSHOT_BUDGET_BYTES", "Reduced", "Row", "TensorBatch", "tensor_version"]

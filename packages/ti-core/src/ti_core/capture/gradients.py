@@ -15,12 +15,10 @@ from typing import Protocol
 
 import torch
 
-from ti_core.capture.batch import TensorBatch, tensor_version
+from ti_core.capture.batch import Row, TensorBatch
 from ti_core.capture.context import now_us
 from ti_core.capture.hooks import HookObject
 from ti_core.errors import ErrorPolicy
-from ti_core.records import Entry
-from ti_core.reduction.support import dtype_name
 
 
 class GradientTarget(Protocol):
@@ -48,7 +46,9 @@ class GradientState:
 
     Each output tensor's gradient is recorded the first time a backward reaches it; the rows of
     one backward are emitted when that backward ends (an autograd engine callback). The same
-    unchanged tensor output by several calls gets one hook serving all of their entries.
+    unchanged tensor output by several calls (one forward slot) gets one hook serving all of
+    their entries: a gradient row is the forward entry's identity with the gradient's shape,
+    dtype and time, resolved when the batch is finished (no object per entry here).
     """
 
     __slots__ = (
@@ -58,71 +58,59 @@ class GradientState:
         "hooked",
         "lock",
         "queued",
-        "recorded",
         "sample_id",
         "target_ref",
     )
 
     def __init__(
-        self, target_ref: weakref.ref[GradientTarget], sample_id: int, forward_index: int
+        self,
+        target_ref: weakref.ref[GradientTarget],
+        sample_id: int,
+        forward_index: int,
+        entries: list[Row],
     ) -> None:
         self.target_ref = target_ref
         self.sample_id = sample_id
         self.forward_index = forward_index
-        self.entries: list[Entry] = []
-        self.recorded: set[int] = set()
+        self.entries = entries
+        """The sample's forward rows (read only here; the gradient rows take their identity)."""
         self.batch: TensorBatch | None = None
         self.queued = False
         self.lock = threading.Lock()
-        self.hooked: dict[int, tuple[weakref.ref[torch.Tensor], int | None, GradHook]] = {}
+        self.hooked: dict[int, GradHook] = {}
 
-    def watch(self, entry: Entry, tensor: torch.Tensor) -> None:
-        """Register the gradient hook of ``tensor`` (a non-leaf that requires grad)."""
-        index = len(self.entries)
-        self.entries.append(entry)
-        version = tensor_version(tensor)
-        seen = self.hooked.get(id(tensor))
-        if seen is not None and seen[1] == version and seen[0]() is tensor:
-            seen[2].indices.append(index)
+    def watch(self, row: int, slot: int, tensor: torch.Tensor) -> None:
+        """Forward entry ``row`` measured ``tensor`` (a non-leaf that requires grad) as forward
+        slot ``slot``: hook its gradient, once per slot."""
+        hook = self.hooked.get(slot)
+        if hook is not None:
+            hook.rows.append(row)
             return
-        hook = GradHook(self, index)
+        hook = GradHook(self, row)
         tensor.register_hook(hook)  # type: ignore[no-untyped-call]
-        self.hooked[id(tensor)] = (weakref.ref(tensor), version, hook)
+        self.hooked[slot] = hook
 
     def forward_done(self) -> None:
         """The sampled forward returned: no more hooks will be registered."""
         self.hooked = {}
 
-    def receive(self, indices: list[int], grad: torch.Tensor) -> None:
+    def receive(self, hook: GradHook, grad: torch.Tensor) -> None:
         target = self.target_ref()
         if target is None or target.closed:
             return
         try:
             with self.lock:
-                stamp = now_us()
-                shape = tuple(grad.shape)
-                dtype = dtype_name(grad.dtype)
-                for index in indices:
-                    if index in self.recorded:
-                        continue
-                    self.recorded.add(index)
-                    fwd = self.entries[index]
-                    entry = Entry(
-                        fwd.layer,
-                        fwd.call_index,
-                        fwd.path,
-                        fwd.train,
-                        fwd.grad_enabled,
-                        shape,
-                        dtype,
-                        stamp,
-                    )
-                    if self.batch is None:
-                        self.batch = target.new_batch()
-                    self.batch.add(entry, grad)
-                    if not self.queued:
-                        torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-                        self.queued = True
+                rows = hook.rows
+                done = hook.recorded
+                if done == len(rows):  # a later backward through the same graph
+                    return
+                hook.recorded = len(rows)
+                if self.batch is None:
+                    self.batch = target.new_batch()
+                self.batch.add_derived(grad, self.entries, rows[done:] if done else rows, now_us())
+                if not self.queued:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+                    self.queued = True
         except Exception as error:
             target.errors.handle("gradient capture", error)
 
@@ -139,15 +127,18 @@ class GradientState:
 class GradHook(HookObject):
     """Tensor hook bound to (sample, call, tensor_path) entries; never changes the gradient."""
 
-    __slots__ = ("indices", "state")
+    __slots__ = ("recorded", "rows", "state")
 
-    def __init__(self, state: GradientState, index: int) -> None:
+    def __init__(self, state: GradientState, row: int) -> None:
         self.state = state
-        self.indices = [index]
+        self.rows = [row]
+        """The forward entries (indices into the sample's forward rows) this gradient answers."""
+        self.recorded = 0
+        """How many of ``rows`` got their gradient (the first backward reaching them)."""
 
     def __call__(self, grad: torch.Tensor | None) -> None:
         if grad is not None:
-            self.state.receive(self.indices, grad)
+            self.state.receive(self, grad)
 
 
 __all__ = ["GradHook", "GradientState", "GradientTarget"]

@@ -110,10 +110,24 @@ def _capture(target: CaptureTarget, layer: int, module: nn.Module, output: Any) 
 
 
 # Under torch.compile the hooks run eagerly (a graph break) instead of being traced; in eager
-# mode the undecorated functions are called, so unsampled forwards pay no wrapper cost.
-_root_enter_eager = torch.compiler.disable(_root_enter)  # type: ignore[no-untyped-call]
-_root_exit_eager = torch.compiler.disable(_root_exit)  # type: ignore[no-untyped-call]
-_capture_eager = torch.compiler.disable(_capture)  # type: ignore[no-untyped-call]
+# mode the undecorated functions are called, so unsampled forwards pay no wrapper cost. The
+# wrappers come from torch.compiler.disable, which imports torch._dynamo (seconds, ~80 MB):
+# made on first use, so only programs that compile pay for it (and made now if they already
+# did, so a traced hook never meets an unwrapped function).
+_EAGER: dict[Callable[..., None], Callable[..., None]] = {}
+
+
+def _eager(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` wrapped by ``torch.compiler.disable`` (one wrapper per function)."""
+    wrapped = _EAGER.get(fn)
+    if wrapped is None:
+        wrapped = _EAGER[fn] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+    return wrapped
+
+
+if "torch._dynamo" in sys.modules:
+    for _fn in (_root_enter, _root_exit, _capture):
+        _eager(_fn)
 
 
 class RootPreHook(HookObject):
@@ -126,7 +140,7 @@ class RootPreHook(HookObject):
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
-            _root_enter_eager(self.target)
+            _eager(_root_enter)(self.target)
         else:
             self.target.root_enter(sys._getframe(1))
 
@@ -141,7 +155,7 @@ class RootPostHook(HookObject):
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
-            _root_exit_eager(self.target, module, output)
+            _eager(_root_exit)(self.target, module, output)
         else:
             self.target.root_exit(module, output)
 
@@ -157,7 +171,7 @@ class CallHook(HookObject):
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
-            _capture_eager(self.target, self.layer, module, output)
+            _eager(_capture)(self.target, self.layer, module, output)
         else:
             self.target.capture(self.layer, module, output)
 
@@ -204,7 +218,7 @@ class ForwardOverride(HookObject):
             raise ReferenceError("module of this forward override is gone")
         if module is not None:
             if torch.compiler.is_compiling():
-                _capture_eager(self.target, self.layer, module, output)
+                _eager(_capture)(self.target, self.layer, module, output)
             else:
                 self.target.capture(self.layer, module, output)
         return output

@@ -8,6 +8,7 @@ it, on the autograd graph.
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, Final
 
@@ -15,11 +16,10 @@ import torch
 from torch import nn
 
 from ti_core.capture.batch import TensorBatch
-from ti_core.capture.context import in_reentrant_checkpoint, now_us
+from ti_core.capture.context import in_reentrant_checkpoint
 from ti_core.capture.gradients import GradientState, GradientTarget
 from ti_core.capture.paths import tensor_leaves
-from ti_core.records import Entry
-from ti_core.reduction.support import dtype_name
+from ti_core.records import Entries, Entry
 
 LEAF_REASON: Final[str] = (
     "gradient not captured: the output is a leaf tensor (the module returned an input or "
@@ -31,8 +31,36 @@ REENTRANT_REASON: Final[str] = (
 )
 
 
+class Gaps:
+    """Outputs whose gradient cannot be captured: their entries and the reason for each."""
+
+    __slots__ = ("entries", "reasons")
+
+    def __init__(self) -> None:
+        self.entries = Entries()
+        self.reasons: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.reasons)
+
+    def add(self, entry: Entry, reason: str) -> None:
+        """``entry`` has no capturable gradient, because ``reason``."""
+        self.entries.append(entry)
+        self.reasons.append(reason)
+
+
+_time_ns = time.time_ns
+_is_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
+
+
 class Sample:
-    """One sampled root forward: its outputs, its coverage gaps and its gradient state."""
+    """One sampled root forward: its outputs, its coverage gaps and its gradient state.
+
+    :meth:`record` runs for every selected module call of a sampled forward, so it creates no
+    Python object per call: entries are appended to the batch's columns, the gradient hook is
+    shared by every entry of one tensor.
+    """
 
     __slots__ = ("calls", "forward", "forward_index", "gaps", "gradients", "sample_id", "target")
 
@@ -50,48 +78,48 @@ class Sample:
         self.calls: dict[int, int] = {}
         self.forward = batch
         """The outputs recorded so far."""
-        self.gaps: list[tuple[Entry, str]] = []
+        self.gaps = Gaps()
         """Outputs whose gradient cannot be captured, with the reason."""
         self.gradients: GradientState | None = None
 
     def record(self, layer: int, module: nn.Module, output: Any) -> None:
         """One call of the selected module ``layer`` returned ``output``: snapshot each tensor
         and, where a gradient will flow back into it, hook that gradient."""
-        call = self.calls.get(layer, 0)
-        self.calls[layer] = call + 1
+        calls = self.calls
+        call = calls.get(layer, 0)
+        calls[layer] = call + 1
+        if isinstance(output, _Tensor):
+            self._record(layer, call, "", bool(module.training), output, _time_ns() // 1000)
+            return
         leaves = tensor_leaves(output)
         if not leaves:
             return
-        stamp = now_us()
+        stamp = _time_ns() // 1000
         train = bool(module.training)
-        grad_enabled = torch.is_grad_enabled()
-        reentrant: bool | None = None
         for path, tensor in leaves:
-            entry = Entry(
-                layer,
-                call,
-                path,
-                train,
-                grad_enabled,
-                tuple(tensor.shape),
-                dtype_name(tensor.dtype),
-                stamp,
-            )
-            self.forward.add(entry, tensor)
-            if grad_enabled and tensor.requires_grad:
-                if tensor.grad_fn is None:
-                    self.gaps.append((entry, LEAF_REASON))
-                else:
-                    if self.gradients is None:
-                        self.gradients = GradientState(
-                            self.target, self.sample_id, self.forward_index
-                        )
-                    self.gradients.watch(entry, tensor)
-            elif not grad_enabled and (tensor.is_floating_point() or tensor.is_complex()):
-                if reentrant is None:
-                    reentrant = in_reentrant_checkpoint()
-                if reentrant:
-                    self.gaps.append((entry, REENTRANT_REASON))
+            self._record(layer, call, path, train, tensor, stamp)
+
+    def _record(
+        self, layer: int, call: int, path: str, train: bool, tensor: torch.Tensor, stamp: int
+    ) -> None:
+        grad_enabled = _is_grad_enabled()
+        forward = self.forward
+        slot = forward.add(tensor, layer, call, path, train, grad_enabled, stamp)
+        if grad_enabled:
+            if not tensor.requires_grad:
+                return
+            row = len(forward.rows) - 1
+            if tensor.is_leaf:  # requires grad without a grad_fn: nothing to hook
+                self.gaps.add(forward.entry(row), LEAF_REASON)
+                return
+            gradients = self.gradients
+            if gradients is None:
+                gradients = self.gradients = GradientState(
+                    self.target, self.sample_id, self.forward_index, forward.rows
+                )
+            gradients.watch(row, slot, tensor)
+        elif (tensor.is_floating_point() or tensor.is_complex()) and in_reentrant_checkpoint():
+            self.gaps.add(forward.entry(len(forward.rows) - 1), REENTRANT_REASON)
 
     def forward_done(self) -> None:
         """The root forward returned: no more gradient hooks will be registered."""
@@ -99,4 +127,4 @@ class Sample:
             self.gradients.forward_done()
 
 
-__all__ = ["LEAF_REASON", "REENTRANT_REASON", "Sample"]
+__all__ = ["LEAF_REASON", "REENTRANT_REASON", "Gaps", "Sample"]

@@ -6,15 +6,14 @@ rows identical inline and on the emission worker.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from ti_core.capture.batch import TensorBatch
+from ti_core.capture.sample import Gaps
 from ti_core.emission.sinks import SinkFanout
 from ti_core.errors import ErrorPolicy
 from ti_core.records import (
-    Entry,
     RunColumns,
     SignalName,
     histogram_batch,
@@ -38,7 +37,7 @@ class EndedSignal:
     sample_id: int
     forward_index: int
     batch: TensorBatch
-    gaps: Sequence[tuple[Entry, str]] = ()
+    gaps: Gaps | None = None
     """Entries whose gradient cannot be captured, with the reason (``output`` only)."""
 
     @property
@@ -89,8 +88,8 @@ class SignalWriter:
                 "output_gradient",
                 ended.sample_id,
                 ended.forward_index,
-                [e for e, _ in ended.gaps],
-                [r for _, r in ended.gaps],
+                ended.gaps.entries,
+                ended.gaps.reasons,
             )
             self._fanout.write_history(gaps)
 

@@ -23,7 +23,14 @@ from ti_core.reduction.numpy_histograms import histogram_large, histograms_sorte
 from ti_core.reduction.numpy_rows import Moments
 from ti_core.reduction.support import flat_float, unsupported_reason
 
-__all__ = ["DEFAULT_BINS", "HistogramData", "compute_histograms", "single_value_limit"]
+__all__ = [
+    "DEFAULT_BINS",
+    "HistogramData",
+    "HistogramRows",
+    "compute_histograms",
+    "histogram_rows",
+    "single_value_limit",
+]
 
 DEFAULT_BINS: Final = 30
 """Buckets of every focus-layer histogram."""
@@ -55,6 +62,28 @@ def single_value_limit(value: float) -> float:
     return right if right > value and math.isfinite(right) else float(np.nextafter(value, math.inf))
 
 
+@dataclass(frozen=True)
+class HistogramRows:
+    """Histograms of several tensors as one matrix of histogram rows
+    (:mod:`~ti_core.reduction.layout`), ``bins`` buckets each: what the record batches are built
+    from without a Python object per histogram. A row with ``num == 0`` is an empty histogram;
+    one with ``min == max`` holds every entry in one bucket (see :class:`HistogramData`)."""
+
+    rows: np.ndarray
+    bins: int
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, index: Sequence[int]) -> HistogramRows:
+        """The histograms at ``index``, in that order."""
+        return HistogramRows(self.rows[np.asarray(index, dtype=np.intp)], self.bins)
+
+    def items(self) -> list[HistogramData]:
+        """Each histogram as a :class:`HistogramData`."""
+        return [_from_row(row, self.bins) for row in self.rows]
+
+
 def compute_histograms(
     tensors: Sequence[torch.Tensor],
     bins: int = DEFAULT_BINS,
@@ -73,9 +102,29 @@ def compute_histograms(
     without a pass over the tensor; ``moments[i]`` means one bucketing pass without a moments
     pass (moments that do not fit the data are detected and recomputed).
     """
+    return histogram_rows(tensors, bins, ordered, moments).items()
+
+
+def histogram_rows(
+    tensors: Sequence[torch.Tensor],
+    bins: int = DEFAULT_BINS,
+    ordered: Sequence[tuple[np.ndarray, Moments] | None] | None = None,
+    moments: Sequence[Moments | None] | None = None,
+    *,
+    trusted: bool = False,
+    parallel: bool = False,
+) -> HistogramRows:
+    """:func:`compute_histograms` as one :class:`HistogramRows` (row ``i``: tensor ``i``).
+
+    ``trusted``: ``moments`` come from the reduction of these very tensors just before (as in
+    a :class:`~ti_core.capture.batch.TensorBatch`), so the bucket pass does not check them
+    block by block (the count of finite entries is still checked). ``parallel``: the caller
+    waits for the result (the training thread), so a pass over a large CPU tensor may use a
+    helper thread."""
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}; pass e.g. bins=30")
-    results: list[HistogramData | None] = [None] * len(tensors)
+    width = layout.histogram_width(bins)
+    out = np.zeros((len(tensors), width))  # all-zero rows: empty histograms
     pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     counted: list[tuple[int, tuple[np.ndarray, Moments]]] = []
     with torch.no_grad():
@@ -85,7 +134,6 @@ def compute_histograms(
                     f"tensors[{i}] is a {type(t).__name__}; compute_histograms takes tensors"
                 )
             if t.numel() == 0 or unsupported_reason(t) is not None:
-                results[i] = _empty(0)
                 continue
             if support.uses_numpy(t.device):
                 done = ordered[i] if ordered is not None and i < len(ordered) else None
@@ -93,21 +141,17 @@ def compute_histograms(
                     counted.append((i, done))
                     continue
                 known = moments[i] if moments is not None and i < len(moments) else None
-                flat = flat_float(t).numpy()
-                row = torch.from_numpy(histogram_large(flat, bins, known))
+                out[i] = histogram_large(
+                    flat_float(t).numpy(), bins, known, trusted=trusted, parallel=parallel
+                )
             else:
-                row = _device_row(t, bins)
-            pending.setdefault(t.device, []).append((i, row))
+                pending.setdefault(t.device, []).append((i, _device_row(t, bins)))
         if counted:
-            host_rows = histograms_sorted([done for _, done in counted], bins)
-            for (i, _), row in zip(counted, host_rows, strict=True):
-                results[i] = _from_row(row, bins)
+            out[[i for i, _ in counted]] = histograms_sorted([done for _, done in counted], bins)
         for items in pending.values():
             host = torch.cat([row for _, row in items]).cpu().numpy()  # one transfer per device
-            width = layout.histogram_width(bins)
-            for k, (i, _) in enumerate(items):
-                results[i] = _from_row(host[k * width : (k + 1) * width], bins)
-    return [r if r is not None else _empty(0) for r in results]
+            out[[i for i, _ in items]] = host.reshape(len(items), width)
+    return HistogramRows(out, bins)
 
 
 def _empty(nonfinite: int) -> HistogramData:

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from ti_core.reduction import layout
-from ti_core.reduction.numpy_rows import BLOCK, Moments
+from ti_core.reduction.numpy_rows import BLOCK, Moments, in_halves
 
 
 def _head(m: Moments) -> list[float]:
@@ -56,12 +56,22 @@ def scan_moments(a: np.ndarray) -> Moments:
     return Moments(lo_all, hi_all, n - nonfinite, nonfinite, s1, s2)
 
 
-def histogram_large(a: np.ndarray, bins: int, known: Moments | None = None) -> np.ndarray:
+def histogram_large(
+    a: np.ndarray,
+    bins: int,
+    known: Moments | None = None,
+    *,
+    trusted: bool = False,
+    parallel: bool = False,
+) -> np.ndarray:
     """Histogram row of a 1-D float32/float64 array: the same edges and bucket rule as
     ``numpy.histogram(finite, bins=edges)``, with ``edges = linspace(min, max, bins + 1)``.
 
     ``known`` (from a reduction pass over the same values) saves the moments pass; it is
     checked against the data as the buckets are filled, and recomputed if it does not fit.
+    ``trusted``: ``known`` comes from a pass over this very array (the reduction just before),
+    so the per-block range check is skipped. ``parallel``: the pass may use a helper thread
+    (:func:`~ti_core.reduction.numpy_rows.in_halves`).
     """
     m = known if known is not None else scan_moments(a)
     row = np.zeros(layout.histogram_width(bins))
@@ -69,56 +79,94 @@ def histogram_large(a: np.ndarray, bins: int, known: Moments | None = None) -> n
     if m.finite == 0:
         return row
     edges = np.linspace(m.lo, m.hi, bins + 1)
-    counts = _bucket_counts(a, bins, m, edges)
+    check = known is not None and not trusted
+    counts = _bucket_counts(a, bins, m, edges, check, parallel)
     if counts is None:  # ``known`` did not describe this array
+        if known is None:
+            raise RuntimeError("the array changed while its histogram was being counted")
         return histogram_large(a, bins)
     row[layout.histogram_edges(bins)] = edges
     row[layout.histogram_counts(bins)] = counts
     return row
 
 
-def _bucket_counts(a: np.ndarray, bins: int, m: Moments, edges: np.ndarray) -> np.ndarray | None:
+def _bucket_counts(
+    a: np.ndarray, bins: int, m: Moments, edges: np.ndarray, check: bool, parallel: bool
+) -> np.ndarray | None:
     width = m.hi - m.lo
-    counts = np.zeros(bins, dtype=np.int64)
     if not (width > 0 and math.isfinite(bins / width)):
+        counts = np.zeros(bins, dtype=np.int64)
         counts[-1] = m.finite
         return counts
+    parts = in_halves(
+        a.size,
+        lambda start, stop: _count_blocks(a[start:stop], bins, m, edges, check),
+        parallel,
+    )
+    total = np.zeros(bins + 1, dtype=np.int64)  # [bins]: entries above the range
+    seen = 0
+    for part in parts:
+        if part is None:
+            return None
+        total += part[0]
+        seen += part[1]
+    if seen != m.finite or total[bins]:
+        return None
+    return total[:bins]
+
+
+def _count_blocks(
+    a: np.ndarray, bins: int, m: Moments, edges: np.ndarray, check: bool
+) -> tuple[np.ndarray, int] | None:
+    """Bucket counts (``bins + 1``, the last for entries above the range) of the finite
+    entries of ``a``, and how many there were; None when the moments do not fit them."""
     # Buckets are estimated in the array's own precision (float32 halves the memory traffic):
     # an entry is bucketed by truncating t -/+ eps, t = (x - min) * bins / width; where the two
-    # disagree it lies within eps of an interior edge and is re-bucketed exactly against the
-    # float64 edges, as numpy.histogram would. Truncation keeps entries at the minimum (t = 0)
-    # and clipping those at the maximum out of that slower path.
+    # disagree it lies within eps of an interior edge (or at the maximum, t = bins) and is
+    # re-bucketed exactly against the float64 edges, as numpy.histogram would. Truncation keeps
+    # entries at the minimum (t = 0) out of that slower path.
+    width = m.hi - m.lo
     f32 = a.dtype == np.float32 and width < float(np.finfo(np.float32).max)
     work = np.dtype(np.float32 if f32 else np.float64)
     norm = work.type(bins / width)
     lo_w = work.type(m.lo)
     eps = work.type(max(1e-4, bins * 1e-6))
+    counts = np.zeros(bins + 1, dtype=np.int64)
+    block = max(min(BLOCK, a.size), 1)
+    t = np.empty(block, dtype=work)
+    shifted = np.empty(block, dtype=work)
+    below = np.empty(block, dtype=np.int32)
+    idx = np.empty(block, dtype=np.int32)
     seen = 0
     for start in range(0, a.size, BLOCK):
         c = a[start : start + BLOCK]
         if m.nonfinite:
             c = c[np.isfinite(c)]
-        if c.size == 0:
+        n = c.size
+        if n == 0:
             continue
-        if not (m.lo <= float(c.min()) and float(c.max()) <= m.hi):  # also catches NaN
+        if check and not (m.lo <= float(c.min()) and float(c.max()) <= m.hi):  # and NaN
             return None
-        seen += c.size
-        t = np.subtract(c, lo_w, dtype=work)
-        t *= norm
-        below = (t - eps).astype(np.int32)
-        t += eps
-        idx = t.astype(np.int32)
-        np.minimum(idx, bins - 1, out=idx)
-        counts += np.bincount(idx, minlength=bins)
-        suspects = np.flatnonzero(below != idx)
+        seen += n
+        tc, sc, bc, ic = t[:n], shifted[:n], below[:n], idx[:n]
+        np.subtract(c, lo_w, out=tc, dtype=work)
+        tc *= norm
+        np.copyto(bc, np.subtract(tc, eps, out=sc), casting="unsafe")
+        np.copyto(ic, np.add(tc, eps, out=sc), casting="unsafe")
+        try:
+            found = np.bincount(ic, minlength=bins + 1)
+        except ValueError:  # a negative bucket: the entries do not fit the moments
+            return None
+        if found.size > bins + 1:
+            return None
+        counts += found
+        suspects = np.flatnonzero(bc != ic)
         if suspects.size:
             exact = np.searchsorted(edges, c[suspects].astype(np.float64), "right") - 1
             np.clip(exact, 0, bins - 1, out=exact)
-            counts -= np.bincount(idx[suspects], minlength=bins)
-            counts += np.bincount(exact, minlength=bins)
-    if seen != m.finite:
-        return None
-    return counts
+            counts -= np.bincount(ic[suspects], minlength=bins + 1)
+            counts += np.bincount(exact, minlength=bins + 1)
+    return counts, seen
 
 
 def histograms_sorted(rows: list[tuple[np.ndarray, Moments]], bins: int) -> np.ndarray:

@@ -18,9 +18,11 @@ histogram costs no second pass; the caller carries them (``Measurements.moments`
 from __future__ import annotations
 
 import math
+import os
 import threading
-from dataclasses import dataclass
-from typing import Final
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final, TypeVar
 
 import numpy as np
 
@@ -93,42 +95,149 @@ class _Band:
         self.below = 0
         self.at_lo = 0
         self.at_hi = 0
-        self.inside: list[np.ndarray] = []
+        self.inside = np.empty(0)
+        """The collected entries, unordered (set by :class:`_BandScan` after the pass)."""
 
-    def scan(self, c: np.ndarray) -> None:
+    def fresh(self) -> _Band:
+        """The same band with nothing counted yet (for another part of the array)."""
+        return _Band(self.lo, self.hi, self.tied)
+
+    def count(self, c: np.ndarray) -> np.ndarray | None:
+        """Count the block ``c`` below the band and at its tied ends; return the mask of the
+        entries to collect (None: the band collects nothing)."""
         lo, hi = self.lo, self.hi
         ge = c >= lo
         n_ge = int(np.count_nonzero(ge))
         self.below += c.size - n_ge
         if lo == hi:
             self.at_lo += n_ge - int(np.count_nonzero(c > hi))
-            return
+            return None
         if self.tied:
             gt = c > lo
             self.at_lo += n_ge - int(np.count_nonzero(gt))
-            lt = c < hi
             self.at_hi += int(np.count_nonzero(c == hi))
-            ge = np.logical_and(gt, lt, out=gt)
-        else:
-            ge &= c <= hi
-        idx = np.flatnonzero(ge)
-        if idx.size:
-            self.inside.append(c[idx])
+            return np.logical_and(gt, c < hi, out=gt)
+        return np.logical_and(ge, c <= hi, out=ge)
 
-    def value(self, rank: int, ordered: np.ndarray) -> float | None:
-        """The value at ``rank`` of all finite entries, or None if the band misses it."""
-        r = rank - self.below
-        if r < 0:
+    def select(self, found: np.ndarray) -> np.ndarray:
+        """Of ``found`` (a superset), the entries this band collects."""
+        if self.lo == self.hi:
+            return found[:0]
+        if self.tied:
+            return found[(found > self.lo) & (found < self.hi)]
+        return found[(found >= self.lo) & (found <= self.hi)]
+
+    def values(self, ranks: list[int]) -> list[float] | None:
+        """The values at ``ranks`` (ascending) of all finite entries, or None if the band
+        misses one. Entries inside the band are selected, not sorted."""
+        inside = self.inside
+        out: list[float] = []
+        part = -1  # ``inside`` is partitioned around this position
+        for rank in ranks:
+            r = rank - self.below
+            if r < 0:
+                return None
+            if r < self.at_lo:
+                out.append(self.lo)
+                continue
+            r -= self.at_lo
+            if r < inside.size:
+                if part < 0:
+                    inside.partition(r)
+                    part = r
+                elif r == part + 1:  # the next order statistic: the smallest above
+                    out.append(float(inside[r:].min()))
+                    continue
+                elif r != part:  # pragma: no cover - quartile ranks are equal or adjacent
+                    inside.partition(r)
+                    part = r
+                out.append(float(inside[r]))
+                continue
+            r -= inside.size
+            if r < self.at_hi:
+                out.append(self.hi)
+                continue
             return None
-        if r < self.at_lo:
-            return self.lo
-        r -= self.at_lo
-        if r < ordered.size:
-            return float(ordered[r])
-        r -= ordered.size
-        if r < self.at_hi:
-            return self.hi
-        return None
+        return out
+
+
+class _BandScan:
+    """The three quartile bands scanned block by block with one compaction per block: the
+    entries of every band are collected together and split by band after the pass."""
+
+    def __init__(self, bands: list[_Band]) -> None:
+        self.bands = bands
+        self._found: list[np.ndarray] = []
+
+    def scan(self, c: np.ndarray) -> None:
+        union = None
+        for band in self.bands:
+            mask = band.count(c)
+            if mask is not None:
+                union = mask if union is None else np.logical_or(union, mask, out=union)
+        if union is not None:
+            idx = np.flatnonzero(union)
+            if idx.size:
+                self._found.append(c[idx])
+
+    def fresh(self) -> _BandScan:
+        """A scan of the same bands with nothing counted yet."""
+        return _BandScan([band.fresh() for band in self.bands])
+
+    def merge(self, other: _BandScan) -> None:
+        """Add what ``other`` (a scan of the same bands over other blocks) found."""
+        for band, theirs in zip(self.bands, other.bands, strict=True):
+            band.below += theirs.below
+            band.at_lo += theirs.at_lo
+            band.at_hi += theirs.at_hi
+        self._found += other._found
+
+    def finish(self) -> list[_Band]:
+        """Hand each band its collected entries."""
+        found = np.concatenate(self._found) if self._found else np.empty(0)
+        self._found = []
+        for band in self.bands:
+            band.inside = band.select(found)
+        return self.bands
+
+
+_T = TypeVar("_T")
+
+PARALLEL_MIN: Final = 1 << 22
+"""From this many entries on, a pass over an array reduced on the training thread (a tensor
+too large to snapshot) is split with a helper thread: numpy releases the GIL in its loops, so
+a second core halves the time the training step waits. The capture asks for the split only
+where torch may use more than one intra-op thread (``torch.get_num_threads() > 1``): a run
+limited to one thread gets no second one from its telemetry."""
+
+
+def in_halves(n: int, run: Callable[[int, int], _T], parallel: bool) -> list[_T]:
+    """``run(start, stop)`` over the blocks of ``[0, n)``: at once, or when ``parallel`` and
+    ``n`` is large, as two halves (block-aligned), the first on a helper thread. The results
+    come back in block order, so sequential sums of per-block values stay bit-identical."""
+    blocks = -(-n // BLOCK)
+    if not parallel or n < PARALLEL_MIN or blocks < 2 or (os.cpu_count() or 1) < 2:
+        return [run(0, n)]
+    mid = (blocks // 2) * BLOCK
+    first: list[_T] = []
+    failed: list[BaseException] = []
+
+    def helper() -> None:
+        try:
+            first.append(run(0, mid))
+        except BaseException as error:  # re-raised on the calling thread
+            failed.append(error)
+
+    # Lifecycle: one short-lived thread per pass (fork-safe, nothing left running).
+    thread = threading.Thread(target=helper, name="ti-core reduction", daemon=True)
+    thread.start()
+    try:
+        second = run(mid, n)
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return [first[0], second]
 
 
 def _bands(a: np.ndarray) -> list[_Band] | None:
@@ -151,9 +260,51 @@ def _bands(a: np.ndarray) -> list[_Band] | None:
     return out
 
 
-def reduce_large(a: np.ndarray) -> tuple[np.ndarray, Moments]:
+@dataclass
+class _Part:
+    """What a pass over some blocks of an array found (see :func:`reduce_large`)."""
+
+    zeros: int = 0
+    nonfinite: int = 0
+    lo: float = math.inf
+    hi: float = -math.inf
+    s1: list[float] = field(default_factory=list)
+    """Per block with a finite entry, in block order: sum of ``x - shift``..."""
+    s2: list[float] = field(default_factory=list)
+    """... and of its square."""
+    scan: _BandScan | None = None
+
+
+def _scan_blocks(
+    a: np.ndarray, start: int, stop: int, shift: float, scan: _BandScan | None
+) -> _Part:
+    part = _Part(scan=scan)
+    buf = np.empty(min(BLOCK, stop - start), dtype=np.float64)
+    for first in range(start, stop, BLOCK):
+        c = a[first : min(first + BLOCK, stop)]
+        part.zeros += int(np.count_nonzero(c == 0))
+        cmin, cmax = float(c.min()), float(c.max())
+        if not (math.isfinite(cmin) and math.isfinite(cmax)):
+            size = c.size
+            c = c[np.isfinite(c)]
+            part.nonfinite += size - c.size
+            if c.size == 0:
+                continue
+            cmin, cmax = float(c.min()), float(c.max())
+        part.lo, part.hi = min(part.lo, cmin), max(part.hi, cmax)
+        d = buf[: c.size]
+        np.subtract(c, shift, out=d, dtype=np.float64)
+        part.s1.append(float(d.sum()))
+        part.s2.append(float(np.einsum("i,i->", d, d)))  # not BLAS: no thread pool
+        if scan is not None:
+            scan.scan(c)
+    return part
+
+
+def reduce_large(a: np.ndarray, parallel: bool = False) -> tuple[np.ndarray, Moments]:
     """The exact profile row of a 1-D float32/float64 array, and the moments a histogram of
-    the same array needs."""
+    the same array needs. ``parallel``: the caller waits for the result (the training thread),
+    so the pass may use a helper thread (:func:`in_halves`)."""
     n = a.size
     bands = _bands(a)
     # Shifting by a central value before summing keeps the one-pass variance exact in
@@ -161,28 +312,29 @@ def reduce_large(a: np.ndarray) -> tuple[np.ndarray, Moments]:
     shift = 0.0
     if bands is not None and math.isfinite(bands[1].lo) and math.isfinite(bands[1].hi):
         shift = 0.5 * (bands[1].lo + bands[1].hi)
+    template = _BandScan(bands) if bands is not None else None
+    parts = in_halves(
+        n,
+        lambda start, stop: _scan_blocks(
+            a, start, stop, shift, template.fresh() if template is not None else None
+        ),
+        parallel,
+    )
     lo_all, hi_all = math.inf, -math.inf
     zeros = nonfinite = 0
     s1 = s2 = 0.0
-    buf = np.empty(min(BLOCK, n), dtype=np.float64)
-    for start in range(0, n, BLOCK):
-        c = a[start : start + BLOCK]
-        zeros += int(np.count_nonzero(c == 0))
-        cmin, cmax = float(c.min()), float(c.max())
-        if not (math.isfinite(cmin) and math.isfinite(cmax)):
-            c = c[np.isfinite(c)]
-            nonfinite += min(BLOCK, n - start) - c.size
-            if c.size == 0:
-                continue
-            cmin, cmax = float(c.min()), float(c.max())
-        lo_all, hi_all = min(lo_all, cmin), max(hi_all, cmax)
-        d = buf[: c.size]
-        np.subtract(c, shift, out=d, dtype=np.float64)
-        s1 += float(d.sum())
-        s2 += float(np.einsum("i,i->", d, d))  # not BLAS: no thread pool, no contention
-        if bands is not None:
-            for band in bands:
-                band.scan(c)
+    for part in parts:  # in block order: the same float additions as one sequential pass
+        zeros += part.zeros
+        nonfinite += part.nonfinite
+        lo_all, hi_all = min(lo_all, part.lo), max(hi_all, part.hi)
+        for v in part.s1:
+            s1 += v
+        for v in part.s2:
+            s2 += v
+        if template is not None and part.scan is not None:
+            template.merge(part.scan)
+    if template is not None:
+        bands = template.finish()
     nf = n - nonfinite
     row = np.full(layout.WIDTH, math.nan)
     row[layout.ZERO_FRACTION] = zeros / n
@@ -225,22 +377,17 @@ def _centered_sums(a: np.ndarray, center: float, has_nonfinite: bool) -> tuple[f
 
 def _quartiles(a: np.ndarray, nf: int, bands: list[_Band] | None) -> list[float]:
     out: list[float] = []
-    missed = bands is None
-    for j, (lo, hi, frac) in enumerate(quantile_positions(nf)):
-        if bands is None:
-            break
-        band = bands[j]
-        ordered = np.sort(np.concatenate(band.inside)) if band.inside else np.empty(0)
-        band.inside = []
-        va, vb = band.value(lo, ordered), band.value(hi, ordered)
-        if va is None or vb is None:
-            missed = True
-            break
-        out.append(lerp(va, vb, frac))
-    if not missed:
-        return out
-    finite = a[np.isfinite(a)] if nf < a.size else a.copy()
     positions = quantile_positions(nf)
+    if bands is not None:
+        for band, (lo, hi, frac) in zip(bands, positions, strict=True):
+            found = band.values([lo] if hi == lo else [lo, hi])
+            if found is None:
+                break
+            out.append(lerp(found[0], found[-1], frac))
+            band.inside = np.empty(0)
+        else:
+            return out
+    finite = a[np.isfinite(a)] if nf < a.size else a.copy()
     ranks = sorted({r for lo, hi, _ in positions for r in (lo, hi)})
     finite.partition(ranks)
     return [lerp(float(finite[lo]), float(finite[hi]), frac) for lo, hi, frac in positions]
@@ -302,4 +449,12 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return out, ordered
 
 
-__all__ = ["BLOCK", "Moments", "batched_rows", "reduce_large", "row_moments"]
+__all__ = [
+    "BLOCK",
+    "PARALLEL_MIN",
+    "Moments",
+    "batched_rows",
+    "in_halves",
+    "reduce_large",
+    "row_moments",
+]

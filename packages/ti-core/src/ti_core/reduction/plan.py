@@ -174,8 +174,11 @@ class ReductionPlan:
         """No custom reducer: every metric comes from the built-in default profile."""
         return not self._custom
 
-    def reduce(self, tensors: Sequence[torch.Tensor]) -> Measurements:
-        """Measure every tensor with every reducer; never raises for a tensor's content."""
+    def reduce(self, tensors: Sequence[torch.Tensor], *, parallel: bool = False) -> Measurements:
+        """Measure every tensor with every reducer; never raises for a tensor's content.
+
+        ``parallel``: the caller waits for the result (the training thread), so a pass over a
+        large CPU tensor may use a helper thread (``numpy_rows.in_halves``)."""
         n, m = len(tensors), len(self.metric_names)
         values = np.full((n, m), np.nan, dtype=np.float64)
         available = np.zeros((n, m), dtype=bool)
@@ -183,7 +186,7 @@ class ReductionPlan:
         errors: list[BaseException] = []
         out = _Output(values, available, reasons, errors, {}, {})
         with torch.no_grad():
-            pending = _Pending()
+            pending = _Pending(parallel)
             if self._default_names:
                 self._run_default(tensors, pending, out)
             for col, spec in self._custom:
@@ -316,7 +319,8 @@ def _store_custom(out: _Output, i: int, col: int, name: str, v: float) -> None:
 class _Pending:
     """Device-side results waiting for the single transfer per device."""
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool = False) -> None:
+        self.parallel = parallel
         self.rows: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
         self.host: list[tuple[list[int], np.ndarray]] = []
         self.retry: set[int] = set()  # large accelerator tensors computed optimistically
@@ -331,7 +335,8 @@ class _Pending:
 
     def add_large(self, i: int, t: torch.Tensor, out: _Output) -> None:
         if support.uses_numpy(t.device):
-            row, out.moments[i] = numpy_rows.reduce_large(flat_float(t).numpy())
+            flat = flat_float(t).numpy()
+            row, out.moments[i] = numpy_rows.reduce_large(flat, self.parallel)
             self.add_host_rows([i], row.reshape(1, layout.WIDTH))
         else:
             row_t = torch_rows.large_row_optimistic(flat_float(t))
