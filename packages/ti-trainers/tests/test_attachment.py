@@ -88,6 +88,7 @@ def test_options_are_inject_observers_and_checked_at_construction() -> None:
         "rank_policy",
         "error_policy",
         "capture_direct_forwards",
+        "handle_sigterm",
     }
     with pytest.raises(TypeError, match=r"unexpected keyword argument.*outputdir"):
         Attachment({"outputdir": "x"}, "Cb")
