@@ -46,7 +46,6 @@ def test_transformer_paths_and_artifacts(tmp_path: Path) -> None:
 def test_hf_trainer_run_observed_by_the_callback(tmp_path: Path) -> None:
     """The same model under transformers.Trainer with HFObserverCallback: artifacts in
     <output_dir>/stats, one sample every third micro-batch, the loss falling."""
-    pytest.importorskip("accelerate")
     from ti_examples.hf_trainer_tiny import run_hf_trainer_tiny
 
     result = run_hf_trainer_tiny(tmp_path, steps=3, accumulation=2, sample_every=2)

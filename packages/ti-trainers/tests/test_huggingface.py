@@ -12,9 +12,6 @@ import polars as pl
 import pytest
 import torch
 from _trainer_helpers import assert_clean, history, hook_counts
-
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,

@@ -14,15 +14,13 @@ import polars as pl
 import pytest
 import torch
 from _trainer_helpers import assert_clean, history, hook_counts
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-pytest.importorskip("lightning")
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from ti_core import AlwaysSampler
 from ti_schema.testing import assert_artifact_dir_conforms
