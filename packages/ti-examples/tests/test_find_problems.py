@@ -21,6 +21,7 @@ from ti_examples.experiments import ProblemResult
 from ti_examples.plotting import draw_comparison
 from ti_examples.problems import PROBLEMS, VARIANTS
 from ti_examples.training import ExperimentConfig, make_batches, train
+from ti_io import compare_runs
 from ti_io.cli import main as ti_main
 from ti_schema.testing import assert_artifact_dir_conforms
 
@@ -359,3 +360,47 @@ def test_prints_evidence_tables(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert len(trunk_broken) == 1
     assert "0/1" in trunk_broken[0]
     assert f"Artifacts of 3 runs under {tmp_path / 'out'}" in printed
+
+
+def test_each_fault_shows_in_its_compare_table(demo: tuple[Path, list[ProblemResult]]) -> None:
+    """``ti_io.compare_runs`` (what ``ti compare`` prints) on each experiment's three runs, with
+    the onset at the first faulty sample: the broken run's row carries the fault, the others'
+    do not."""
+    output, _ = demo
+    onset = ONSET_STEP // SAMPLE_EVERY  # sample ids 0..3 are healthy
+
+    def rows(problem: str, layer: str, signal: str, metric: str) -> dict[str, dict[str, object]]:
+        table = compare_runs(
+            {variant: output / problem / variant for variant in VARIANTS},
+            layer=layer,
+            signal=signal,
+            metric=metric,
+            onset=onset,
+        ).filter(pl.col("call_index") == 0, pl.col("tensor_path") == "", pl.col("mode") == "train")
+        assert table.get_column("run").to_list() == list(VARIANTS)
+        return {row["run"]: row for row in table.iter_rows(named=True)}
+
+    dead = rows("inactive_relu", "act", "output", "zero_fraction")
+    assert dead["broken"]["after_mean"] == 1.0
+    assert all(dead[v]["after_mean"] < 0.9 for v in ("baseline", "fixed"))
+
+    saturated = rows("saturation", "fc1", "output_gradient", "std")
+    assert saturated["broken"]["after_mean"] < 0.1 * saturated["broken"]["before_mean"]
+    assert saturated["broken"]["after_ratio"] < 0.1  # against the baseline, same samples
+    assert saturated["fixed"]["after_mean"] > 0.3 * saturated["fixed"]["before_mean"]
+
+    grown = rows("scale_growth", "fc2", "output", "std")
+    assert grown["broken"]["latest_ratio"] > 1e3
+    assert grown["fixed"]["latest"] < 10 * grown["fixed"]["before_mean"]
+
+    nonfinite = rows("nonfinite", "standardize", "output", "nonfinite_fraction")
+    assert nonfinite["broken"]["after_mean"] == pytest.approx(1 / 16)
+    assert nonfinite["baseline"]["after_mean"] == nonfinite["fixed"]["after_mean"] == 0.0
+
+    detached = rows("detached", "trunk.0", "output_gradient", "std")
+    broken = detached["broken"]
+    assert broken["samples_after"] > 0
+    assert broken["measured_after"] == 0  # no gradient row after the detach, listed not dropped
+    assert broken["before_mean"] is not None
+    for variant in ("baseline", "fixed"):
+        assert detached[variant]["measured_after"] == detached[variant]["samples_after"]
