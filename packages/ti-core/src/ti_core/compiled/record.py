@@ -75,6 +75,8 @@ def record_traced_call(
     reentrant: bool | None = None
     for j, (path, tensor, kind) in enumerate(zip(paths, tensors, kinds, strict=True)):
         forward.add(tensor.detach(), layer, call, path, train, grad_enabled, stamp)
+        if not sample.output_gradients:  # the output_gradient signal is not recorded
+            continue
         row = len(forward.rows) - 1
         if kind == WATCH:
             state = sample.gradients
