@@ -343,15 +343,15 @@ def test_write_failure_is_reported_and_the_rest_survives(
 ) -> None:
     s = synth()
     real = ti_io.parts.write_parquet
-    calls = {"n": 0}
+    attempts: list[str] = []
 
-    def flaky(path: Path, table: pa.Table) -> None:
-        calls["n"] += 1
-        if calls["n"] == 2:  # the second part hits a full disk
+    def full(path: Path, table: pa.Table) -> None:
+        attempts.append(path.name)
+        if path.name == "part-000001.parquet":  # the second part hits a lasting full disk
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, table)
 
-    monkeypatch.setattr(ti_io.parts, "write_parquet", flaky)
+    monkeypatch.setattr(ti_io.parts, "write_parquet", full)
     per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=per_sample))
     sink.open(s.run)
@@ -361,10 +361,37 @@ def test_write_failure_is_reported_and_the_rest_survives(
         sink.flush()
     assert caught.value.rows_lost == per_sample
     assert "part-000001.parquet" in str(caught.value)
+    assert attempts.count("part-000001.parquet") == 2  # written once more before giving up
     sink.write_history(s.history(2))
     sink.close()  # finalizes what was published
     kept = pl.read_parquet(tmp_path / "history.parquet").get_column("sample_id").unique().sort()
     assert kept.to_list() == [0, 2]
+
+
+def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = synth()
+    real = ti_io.parts.write_parquet
+    failed: list[str] = []
+
+    def transient(path: Path, table: pa.Table) -> None:
+        if path.name == "part-000001.parquet" and not failed:
+            failed.append(path.name)
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        real(path, table)
+
+    monkeypatch.setattr(ti_io.parts, "write_parquet", transient)
+    per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=per_sample))
+    sink.open(s.run)
+    for sample in range(3):
+        sink.write_history(s.history(sample))
+    sink.flush()  # no error: the retry published the part
+    sink.close()
+    assert failed == ["part-000001.parquet"]
+    kept = pl.read_parquet(tmp_path / "history.parquet").get_column("sample_id").unique().sort()
+    assert kept.to_list() == [0, 1, 2]
 
 
 def test_deleted_directory_is_reported(tmp_path: Path, synth: Callable[..., Synth]) -> None:

@@ -72,6 +72,7 @@ def test_run_entries_name_every_file_and_directory_of_a_run() -> None:
         "histograms.parquet",
         "result.json",
         "index.md",
+        "finalization.json",
         "history.parts",
         "histograms.parts",
         "tensorboard",

@@ -49,6 +49,7 @@ def test_a_sink_without_a_declaration_gets_the_defaults() -> None:
     assert sink_capabilities(sink) == SinkCapabilities()
     assert sink_capabilities(sink).background_writes is False
     assert sink_capabilities(sink).on_barrier is None
+    assert sink_capabilities(sink).flush is None
 
 
 def test_a_declared_barrier_hook_is_returned_as_declared() -> None:
@@ -85,6 +86,8 @@ def test_capabilities_check_their_fields() -> None:
         SinkCapabilities(background_writes="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"on_barrier=.*callable"):
         SinkCapabilities(on_barrier=42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"flush=.*callable taking no arguments"):
+        SinkCapabilities(flush="now")  # type: ignore[arg-type]
 
 
 def test_rank_policy_protocol_and_selection() -> None:

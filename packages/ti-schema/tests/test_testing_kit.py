@@ -12,7 +12,7 @@ import pytest
 
 from ti_schema import SchemaMismatchError, validate_history
 from ti_schema.artifacts import artifact_dir_problems
-from ti_schema.layout import part_name
+from ti_schema.layout import JOURNAL_FILE, part_name
 from ti_schema.testing import (
     assert_artifact_dir_conforms,
     assert_histograms_conform,
@@ -206,6 +206,23 @@ def test_live_runs_conform_only_when_allowed_and_their_parts_are_checked(tmp_pat
         assert_artifact_dir_conforms(run, allow_live=True)
     assert f"{parts / part_name(1)}: column 'value': is missing" in str(info.value)
     assert "1 problems" in str(info.value)
+
+
+def test_an_unfinished_finalization_conforms_only_when_allowed(tmp_path: Path) -> None:
+    # The finalization journal (layout.JOURNAL_FILE) says a finalization did not finish: the
+    # files written so far and the parts left are checked; a finished run must not hold it.
+    run = write_run(tmp_path / "stats")
+    (run / "histograms.parts").mkdir()
+    pq.write_table(example_histogram_table(), run / "histograms.parts" / part_name(0))
+    (run / JOURNAL_FILE).write_text('{"state": "written"}')
+    assert_artifact_dir_conforms(run, allow_live=True)
+    (problem,) = artifact_dir_problems(run)
+    assert problem.path == run / "finalization.json"
+    assert "did not finish" in problem.message
+    assert "ti consolidate" in problem.message
+    pq.write_table(example_history_table().drop_columns(["value"]), run / "history.parquet")
+    problems = [str(p) for p in artifact_dir_problems(run, allow_live=True)]
+    assert problems == [f"{run / 'history.parquet'}: column 'value': is missing (expected double)"]
 
 
 def test_parts_of_a_rank_directory_carry_its_rank(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Final, TypedDict, Unpack
 
 from torch import nn
 
-from ti_core import legacy, resolve
+from ti_core import legacy, preemption, resolve
 from ti_core.capture.hooks import scrub_copied_hooks
 from ti_core.emission.sinks import read_capabilities
 from ti_core.errors import ErrorPolicy, ErrorPolicyName, ObserverAlreadyAttachedError
@@ -160,6 +160,7 @@ def inject_observer(
     rank_policy: str | RankPolicy = "rank0",
     error_policy: ErrorPolicyName = "warn",
     capture_direct_forwards: bool = False,
+    handle_sigterm: bool = True,
 ) -> None:
     """Attach an observer that records selected modules' outputs and output gradients.
 
@@ -171,6 +172,12 @@ def inject_observer(
     before touching the model on bad input; ``ObserverAlreadyAttachedError`` if one is attached
     already. When the rank policy says this process does not observe, nothing is attached and
     ``has_observer`` stays False.
+
+    ``handle_sigterm`` (default True): on SIGTERM (preemption), publish what the observer holds
+    (bounded time), then run the previous handler or the default action unchanged; installed
+    from the main thread only. Pass False when the program manages its signals itself
+    (docs/reliability.md, "Preemption"). At interpreter exit without ``remove_observer`` the
+    observer's rows are published either way.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -186,6 +193,11 @@ def inject_observer(
         raise TypeError(f"error_policy= must be 'warn', 'ignore' or 'raise', got {error_policy!r}")
     if not isinstance(capture_direct_forwards, bool):
         raise TypeError(f"capture_direct_forwards= must be a bool, got {capture_direct_forwards!r}")
+    if not isinstance(handle_sigterm, bool):
+        raise TypeError(
+            f"handle_sigterm= must be True or False, got {handle_sigterm!r} (False leaves "
+            "SIGTERM to a program that manages its signals itself)"
+        )
     if isinstance(max_histogram_modules, bool) or not isinstance(max_histogram_modules, int):
         raise TypeError(
             f"max_histogram_modules= must be an int >= 0, got {max_histogram_modules!r}"
@@ -268,6 +280,7 @@ def inject_observer(
     )
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)
+    preemption.watch(observer, handle_sigterm=handle_sigterm)
 
 
 def _background_allowed(
@@ -306,6 +319,7 @@ def remove_observer(model: nn.Module) -> None:
         failures = observer.detach()
     finally:
         del model.__dict__[ATTRIBUTE]
+        preemption.unwatch(observer)  # after detach: a SIGTERM meanwhile still publishes
     for sink, error in failures:
         observer.sinks.report(sink, "closing", error)
 
@@ -324,6 +338,7 @@ class ObserverOptions(TypedDict, total=False):
     rank_policy: str | RankPolicy
     error_policy: ErrorPolicyName
     capture_direct_forwards: bool
+    handle_sigterm: bool
 
 
 @contextmanager

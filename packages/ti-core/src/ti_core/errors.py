@@ -39,7 +39,7 @@ MEASUREMENT_CONSEQUENCE: Final[str] = (
 )
 SINK_CONSEQUENCE: Final[str] = (
     "this sink's records that could not be written are lost (the error above names the path "
-    "and what was lost)"
+    "and what, if anything, was lost)"
 )
 
 

@@ -13,7 +13,13 @@ from __future__ import annotations
 from ti_io.config import HistoryConfig
 from ti_io.consolidate import Consolidated, consolidate
 from ti_io.directory_sink import DirectorySink
-from ti_io.errors import ArtifactWriteError, NothingToConsolidateError
+from ti_io.errors import (
+    ArtifactWriteError,
+    FinalizationBusyError,
+    FinalizationError,
+    NothingToConsolidateError,
+    ShrinkRefusedError,
+)
 from ti_io.legacy import Upgraded, UpgradedRun, UpgradeError, upgrade
 from ti_io.legacy_layout import LegacyRunError, legacy_reason
 from ti_io.readers import scan_history
@@ -24,9 +30,12 @@ __all__ = [
     "ArtifactWriteError",
     "Consolidated",
     "DirectorySink",
+    "FinalizationBusyError",
+    "FinalizationError",
     "HistoryConfig",
     "LegacyRunError",
     "NothingToConsolidateError",
+    "ShrinkRefusedError",
     "TensorBoardSink",
     "UpgradeError",
     "Upgraded",

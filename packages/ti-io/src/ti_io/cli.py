@@ -17,15 +17,16 @@ import polars as pl
 
 from ti_io.config import HistoryConfig
 from ti_io.consolidate import consolidate
-from ti_io.errors import NothingToConsolidateError
+from ti_io.errors import FinalizationError, NothingToConsolidateError
 from ti_io.facts import read_catalog, read_run_facts
+from ti_io.journal import read_journal
 from ti_io.legacy import UpgradeError, upgrade, upgraded_from
 from ti_io.legacy_layout import check_not_legacy
 from ti_io.readers import scan_history
 from ti_io.result_json import TENSOR_KEYS, aggregate
 from ti_schema import DEFAULT_METRICS, SIGNALS, Signal
 from ti_schema.artifacts import artifact_dir_problems
-from ti_schema.layout import HISTORY_FILE
+from ti_schema.layout import HISTORY_FILE, JOURNAL_FILE, list_rank_dirs
 
 
 def display_name(name: str) -> str:
@@ -131,14 +132,38 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _journals(root: Path) -> tuple[list[str], list[str]]:
+    """Problems with the finalization journals of ``root`` (or of its rank directories), and a
+    note for each run whose finalization was interrupted."""
+    problems: list[str] = []
+    notes: list[str] = []
+    runs = [child for _, child in list_rank_dirs(root)] or [root]
+    for run in runs:
+        try:
+            journal = read_journal(run)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{run / JOURNAL_FILE}: {exc}")
+            continue
+        if journal is not None:
+            notes.append(
+                f"{run}: its finalization was interrupted after the step {journal.state.value!r} "
+                f"({JOURNAL_FILE}); `ti consolidate {run}` finishes it"
+            )
+    return problems, notes
+
+
 def _validate(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     try:
         # Live and interrupted runs are checked as they stand: parts, catalog and index.md.
-        problems = artifact_dir_problems(root, allow_live=True)
+        problems = [str(p) for p in artifact_dir_problems(root, allow_live=True)]
     except NotADirectoryError as exc:
         print(f"ti validate: {exc}", file=sys.stderr)
         return 1
+    journal_problems, notes = _journals(root)
+    problems += journal_problems
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if problems:
         print(f"{root}: {len(problems)} problem(s)")
         for problem in problems:
@@ -152,11 +177,18 @@ def _consolidate(args: argparse.Namespace) -> int:
     config = HistoryConfig(window=args.window) if args.window is not None else None
     try:
         done = consolidate(args.dir, history_config=config, force=args.force)
-    except (NothingToConsolidateError, RuntimeError) as exc:
+    except (NothingToConsolidateError, RuntimeError, FinalizationError) as exc:
         print(f"ti consolidate: {exc}", file=sys.stderr)
         return 1
     if done.already_done:
         print(f"{done.directory}: already consolidated ({done.history_rows} history rows)")
+    elif done.resumed_from is not None:
+        print(
+            f"{done.directory}: resumed the interrupted finalization (journal state "
+            f"{done.resumed_from!r}) and finished it: {done.history_rows} history rows and "
+            f"{done.histogram_rows} histogram rows"
+            + (f", from {done.parts} parts" if done.parts else "")
+        )
     else:
         print(
             f"{done.directory}: consolidated {done.parts} parts into {done.history_rows} history "
@@ -232,14 +264,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ti`` console script."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command != "upgrade":
+        if args.command in _ACTIONS:  # consolidate checks for itself, naming how to go on
             check_not_legacy(args.dir, _ACTIONS[args.command])
         code = int(args.run(args))
         sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
         return code
     except BrokenPipeError:
         return _reader_gone()
-    except (FileNotFoundError, ValueError) as exc:  # LegacyRunError too: one line, no traceback
+    except (OSError, ValueError) as exc:  # LegacyRunError, a failing disk: one line, exit 1
         print(f"ti {args.command}: {exc}", file=sys.stderr)
         return 1
 
@@ -257,7 +289,6 @@ def _reader_gone() -> int:
 _ACTIONS = {
     "summary": "summarized",
     "validate": "validated against the current contract",
-    "consolidate": "consolidated",
 }
 
 

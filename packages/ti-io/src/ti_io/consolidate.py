@@ -1,10 +1,10 @@
 """Finalization: parts -> history.parquet and histograms.parquet, then result.json, index.md.
 
-Shared by ``DirectorySink.close`` and by ``consolidate`` (after a crash). The parts are the
-source of truth until they are retired, so a finalization interrupted at any point can simply
-be run again. Memory stays bounded: parts are streamed a row group at a time into a
-``ParquetWriter`` and aggregates come from the compact digest built while streaming
-(:mod:`ti_io.digest`).
+Shared by ``DirectorySink.close`` and by ``consolidate`` (after a crash). The steps, and how
+an interrupted finalization resumes from the step it completed, are the journal's
+(:mod:`ti_io.journal`); this module writes the final files from the parts. Memory stays
+bounded: parts are streamed a row group at a time into a ``ParquetWriter`` and aggregates come
+from the compact digest built while streaming (:mod:`ti_io.digest`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import pyarrow.parquet as pq
 
 from ti_io.config import HistoryConfig
 from ti_io.digest import HistoryDigest
-from ti_io.errors import NothingToConsolidateError
+from ti_io.errors import FinalizationBusyError, FinalizationError, NothingToConsolidateError
 from ti_io.facts import RunFacts, read_run_facts
 from ti_io.index_md import write_index
+from ti_io.journal import Resumption, finalize_run, read_journal, stopped
 from ti_io.legacy_layout import check_not_legacy
 from ti_io.parts import dictionary_columns
-from ti_io.publishing import publish_with, retire_dir
+from ti_io.publishing import publish_with
 from ti_io.result_json import render, write_result_json
 from ti_schema import histogram_schema, history_schema
 from ti_schema.layout import (
@@ -57,6 +58,9 @@ class Consolidated:
     histogram_rows: int
     parts: int
     already_done: bool = False
+    resumed_from: str | None = None
+    """The journal state an interrupted finalization was resumed from (``"writing"``,
+    ``"written"``), or None."""
 
 
 def _dictionary_schema(schema: pa.Schema) -> pa.Schema:
@@ -182,17 +186,39 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-def finalize(directory: Path, facts: RunFacts) -> Consolidated:
-    """Write the final artifacts of ``directory`` from its parts, then retire the parts.
+def finalize(
+    directory: Path,
+    facts: RunFacts | None = None,
+    *,
+    window: int | None = None,
+    resumption: Resumption | None = None,
+) -> Consolidated:
+    """Finalize ``directory``: write the final artifacts from its parts, then retire the parts,
+    resuming an interrupted finalization from the step its journal records (:mod:`ti_io.journal`).
 
-    Always rebuilds from the parts (none: an empty history), so running it again after an
-    interruption gives the same result.
+    ``facts``: the run's (``DirectorySink`` knows them); None reads them from the directory
+    when the files must be written (``window`` overrides the run's). ``resumption``: the
+    command an error message names to finish the run.
     """
+
+    def write_files() -> tuple[int, int]:
+        run = facts if facts is not None else read_run_facts(directory, window=window)
+        return _write_final_files(directory, run)
+
     with _collector_paused():
-        return _finalize(directory, facts)
+        done = finalize_run(directory, write_files, resumption or Resumption(window=window))
+    return Consolidated(
+        directory,
+        done.history_rows,
+        done.histogram_rows,
+        done.parts,
+        resumed_from=done.resumed_from.value if done.resumed_from is not None else None,
+    )
 
 
-def _finalize(directory: Path, facts: RunFacts) -> Consolidated:
+def _write_final_files(directory: Path, facts: RunFacts) -> tuple[int, int]:
+    """history.parquet, histograms.parquet, result.json and index.md from the parts (each
+    published atomically); returns the rows of the two Parquet files."""
     history_parts = list_parts(directory / HISTORY_PARTS)
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
     producer = _producer(facts)
@@ -218,11 +244,7 @@ def _finalize(directory: Path, facts: RunFacts) -> Consolidated:
     )
     write_result_json(directory / RESULT_FILE, text)
     write_index(directory, facts, digest.facts(histogram_rows), live=False)
-    retire_dir(directory / HISTORY_PARTS)
-    retire_dir(directory / HISTOGRAM_PARTS)
-    return Consolidated(
-        directory, history_rows, histogram_rows, len(history_parts) + len(histogram_parts)
-    )
+    return history_rows, histogram_rows
 
 
 def _alive(pid: int) -> bool:
@@ -245,11 +267,19 @@ def consolidate(
 
     Streams ``history.parts/`` and ``histograms.parts/`` into the final Parquet files, rebuilds
     result.json (layer catalog from the result.json written at attach) and index.md, then
-    removes the parts. Idempotent: a finalized directory is left as it is
-    (``already_done=True``). ``history_config``: window for result.json (default: the run's
-    own). ``force``: consolidate even though the process that wrote the run still seems alive.
-    Raises NothingToConsolidateError for a directory that holds no run, and
-    ``ti_io.LegacyRunError`` for one written by torchinstruments 0.8.0 (see ``ti_io.upgrade``).
+    retires the parts; a finalization that was itself interrupted is resumed from the step its
+    journal (``finalization.json``) records, and a finished file is never replaced by one with
+    fewer rows. Idempotent: a finalized directory is left as it is (``already_done=True``).
+    ``history_config``: window for result.json (default: the run's own; used when the final
+    files are written). ``force``: consolidate even though the process that wrote the run still
+    seems alive (checked only before a finalization has started).
+
+    Raises NothingToConsolidateError for a directory that holds no run,
+    ``ti_io.LegacyRunError`` for one written by torchinstruments 0.8.0 (see ``ti_io.upgrade``),
+    RuntimeError while the writer is alive or another process is finalizing it
+    (``FinalizationBusyError``), ``ShrinkRefusedError`` when finishing would lose rows, and
+    ``FinalizationError`` when an operation fails: nothing is lost, and its message names the
+    command that finishes the run.
     """
     directory = Path(output_dir)
     if history_config is not None and not isinstance(history_config, HistoryConfig):
@@ -261,9 +291,32 @@ def consolidate(
         raise NothingToConsolidateError(
             f"consolidate({str(directory)!r}): no such directory; pass the output_dir of a run"
         )
-    check_not_legacy(directory, "consolidated")
+    window = history_config.window if history_config is not None else None
+    resumption = Resumption(force=force, window=window)
+    try:
+        check_not_legacy(directory, "consolidated")
+        return _consolidate(directory, window, force, resumption)
+    except (FinalizationError, FinalizationBusyError, NothingToConsolidateError, RuntimeError):
+        raise
+    except OSError as exc:  # reading the run before finalizing started: nothing was changed
+        raise stopped(directory, "reading the run", exc, resumption) from exc
+
+
+def _consolidate(
+    directory: Path, window: int | None, force: bool, resumption: Resumption
+) -> Consolidated:
+    try:
+        journal = read_journal(directory)
+    except ValueError as exc:
+        raise FinalizationError(
+            f"cannot resume the finalization of {directory}: {exc}. If {HISTORY_PARTS}/ and "
+            f"{HISTOGRAM_PARTS}/ are complete, delete it and run `ti consolidate` again.",
+            directory=str(directory),
+            state=None,
+            command=None,
+        ) from None
     has_parts = (directory / HISTORY_PARTS).is_dir() or (directory / HISTOGRAM_PARTS).is_dir()
-    if not has_parts:
+    if journal is None and not has_parts:
         if (directory / HISTORY_FILE).is_file():
             rows = pq.read_metadata(directory / HISTORY_FILE).num_rows
             hist = directory / HISTOGRAMS_FILE
@@ -280,19 +333,21 @@ def consolidate(
             f"{directory} holds no TorchInstruments run to consolidate: neither "
             f"{HISTORY_PARTS}/ nor {HISTORY_FILE} is there"
         )
-    facts = read_run_facts(
-        directory, window=history_config.window if history_config is not None else None
-    )
-    if (
-        not force
-        and facts.pid is not None
-        and facts.pid != os.getpid()
-        and facts.host == socket.gethostname()
-        and _alive(facts.pid)
-    ):
-        raise RuntimeError(
-            f"{directory} is still being written by process {facts.pid} on this host; "
-            "remove the observer in that process (it finalizes the run), or pass force=True "
-            "(`ti consolidate --force`) if that process is not the writer any more"
-        )
-    return finalize(directory, facts)
+    if journal is None and not force:
+        # Before a finalization starts, the parts may still be growing: refuse while the
+        # writer lives. Once the journal exists its writer has stopped; the finalization lock
+        # keeps finalizers apart.
+        facts = read_run_facts(directory)
+        if (
+            facts.pid is not None
+            and facts.pid != os.getpid()
+            and facts.host == socket.gethostname()
+            and _alive(facts.pid)
+        ):
+            raise RuntimeError(
+                f"{directory} is still being written by process {facts.pid} on this host; "
+                "remove the observer in that process (it finalizes the run), or pass "
+                "force=True (`ti consolidate --force`) if that process is not the writer any "
+                "more"
+            )
+    return finalize(directory, window=window, resumption=resumption)

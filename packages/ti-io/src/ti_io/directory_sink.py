@@ -20,9 +20,10 @@ import pyarrow as pa
 
 from ti_io.config import HistoryConfig
 from ti_io.consolidate import finalize
-from ti_io.errors import ArtifactWriteError
+from ti_io.errors import ArtifactWriteError, FinalizationError
 from ti_io.facts import RunFacts, write_run_file
 from ti_io.index_md import write_index
+from ti_io.journal import Resumption
 from ti_io.parts import Lost, PartWriter, WriteFailure
 from ti_io.publishing import present_artifacts, remove_run_artifacts
 from ti_io.result_json import render, write_result_json
@@ -59,25 +60,33 @@ def _check_schema(
 
 
 def _report(directory: Path, failures: list[WriteFailure]) -> ArtifactWriteError:
-    lost: dict[Lost, int] = {}
-    for f in failures:
-        lost[f.what] = lost.get(f.what, 0) + f.rows_lost
-    first = failures[0]
-    paths = tuple(dict.fromkeys(str(f.path) for f in failures))
-    losses = ", ".join(f"{n} {what}" for what, n in lost.items() if n)
-    more = f" (and {len(failures) - 1} more failed writes)" if len(failures) > 1 else ""
-    final = any(f.what == "final artifacts" for f in failures)
-    advice = (
-        " Finalization failed: the published parts stay in place; fix the cause and run "
-        f"`ti consolidate {directory}`."
-        if final
-        else ""
-    )
+    """One error for the failures of a run: what failed writes lost, then (when finalization
+    stopped) finalization's own message, which says where the rows are and how to finish."""
+    writes = [f for f in failures if f.what != "final artifacts"]
+    final = [f for f in failures if f.what == "final artifacts"]
+    sentences = []
+    if writes:
+        lost: dict[Lost, int] = {}
+        for f in writes:
+            lost[f.what] = lost.get(f.what, 0) + f.rows_lost
+        first = writes[0]
+        losses = ", ".join(f"{n} {what}" for what, n in lost.items() if n)
+        more = f" (and {len(writes) - 1} more failed writes)" if len(writes) > 1 else ""
+        sentences.append(
+            f"could not write {first.path}: {first.cause}{more}; lost {losses or 'no rows'}. "
+            f"Everything already published in {directory} stays readable."
+        )
+    if final:
+        cause = final[0].cause
+        sentences.append(
+            str(cause)
+            if isinstance(cause, FinalizationError)
+            else f"finalizing {directory} failed: {type(cause).__name__}: {cause}."
+        )
     return ArtifactWriteError(
-        f"could not write {first.path}: {first.cause}{more}; lost {losses or 'no rows'}. "
-        f"Everything already published in {directory} stays readable.{advice}",
-        paths=paths,
-        rows_lost=sum(f.rows_lost for f in failures if f.what != "TensorBoard histograms"),
+        " ".join(sentences),
+        paths=tuple(dict.fromkeys(str(f.path) for f in failures)),
+        rows_lost=sum(f.rows_lost for f in writes if f.what != "TensorBoard histograms"),
     )
 
 
@@ -149,8 +158,11 @@ class DirectorySink:
 
     def capabilities(self) -> SinkCapabilities:
         """Writes may come from the observer's emission worker (they only buffer under a lock);
-        ``flush`` and the exit flush wait for the signals it has queued (``attach_barrier``)."""
-        return SinkCapabilities(background_writes=True, on_barrier=self.attach_barrier)
+        ``flush`` and the exit flush wait for the signals it has queued (``attach_barrier``);
+        the observer calls ``flush`` when the process is about to end (SIGTERM, exit)."""
+        return SinkCapabilities(
+            background_writes=True, on_barrier=self.attach_barrier, flush=self.flush
+        )
 
     def attach_barrier(self, barrier: Barrier) -> None:
         """Called by an observer that writes from a background thread: ``flush`` (and the exit
@@ -284,7 +296,9 @@ class DirectorySink:
         assert self._directory is not None
         assert self._facts is not None
         try:
-            finalize(self._directory, self._facts)
+            # This process wrote run.json and is alive: until the journal exists, a later
+            # `ti consolidate` from elsewhere needs --force (the error message says so).
+            finalize(self._directory, self._facts, resumption=Resumption(force=True))
         except Exception as exc:
             failures.append(WriteFailure(self._directory, exc, 0, "final artifacts"))
         if failures:

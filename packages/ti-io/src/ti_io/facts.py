@@ -116,10 +116,12 @@ def write_run_file(directory: Path, facts: RunFacts) -> None:
 
 
 def read_catalog(directory: Path) -> tuple[CatalogLayer, ...] | None:
-    """The layer catalog recorded in result.json, or None when it is missing or unreadable."""
+    """The layer catalog recorded in result.json, or None when it is missing or not a catalog.
+    A read that fails for another reason (EIO, EACCES) raises: a catalog must not vanish from
+    a finalized run because of a transient error."""
     try:
         data = json.loads((directory / RESULT_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError):
         return None
     if not isinstance(data, list):
         return None
@@ -153,13 +155,14 @@ def footer_window(directory: Path) -> int | None:
 
 
 def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
-    """Facts of the run in ``directory`` from run.json and result.json (best effort); once the
-    run is finalized (run.json retired), its window from the footer of history.parquet."""
+    """Facts of the run in ``directory`` from run.json and result.json (best effort: missing or
+    malformed files give unknown facts; a failing read raises); once the run is finalized
+    (run.json retired), its window from the footer of history.parquet."""
     try:
         doc = json.loads((directory / HISTORY_PARTS / RUN_FILE).read_text(encoding="utf-8"))
         if not isinstance(doc, dict):
             doc = {}
-    except (OSError, ValueError):
+    except (FileNotFoundError, NotADirectoryError, ValueError):
         doc = {}
     settings = doc.get("settings")
     stored_window = _opt_int(doc, "window") or footer_window(directory)

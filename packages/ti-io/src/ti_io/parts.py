@@ -5,7 +5,8 @@ of ``history.parts/``, ``histograms.parts/`` and the sink's TensorBoard event fi
 ``stop``. The queue is bounded: when the disk is slower than training, ``submit_*`` blocks the
 training thread (backpressure) instead of dropping rows or growing memory. A failed write is
 recorded (path, cause, rows lost) and reported by ``take_errors``; the thread keeps serving
-later chunks, so everything that can still be published is.
+later chunks, so everything that can still be published is. A part whose publication fails
+is written once more at once (:func:`publish_part`): a transient error loses nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +72,20 @@ def write_parquet(path: Path, table: pa.Table) -> None:
             use_dictionary=dictionary_columns(table.schema),
         ),
     )
+
+
+def publish_part(path: Path, table: pa.Table) -> None:
+    """Publish a part; when that fails with an OSError, write it once more at once.
+
+    The rows exist only in memory, so one retry (under a fresh temporary name) costs little
+    and saves them from a transient error (EIO on a network file system, an interrupted
+    rename). A lasting fault (a full or read-only disk) fails again, and the second error is
+    raised.
+    """
+    try:
+        write_parquet(path, table)
+    except OSError:
+        write_parquet(path, table)
 
 
 class PartWriter:
@@ -180,7 +195,7 @@ class PartWriter:
         self._history_index += 1
         rows = sum(b.num_rows for b in batches)
         try:
-            write_parquet(path, conform(batches, self._history_schema))
+            publish_part(path, conform(batches, self._history_schema))
         except Exception as exc:  # recorded and reported on the training thread
             self._fail(path, exc, rows, "history rows")
 
@@ -192,7 +207,7 @@ class PartWriter:
         path = self._histogram_dir / part_name(self._histogram_index)
         self._histogram_index += 1
         try:
-            write_parquet(path, conform(batches, self._histogram_schema))
+            publish_part(path, conform(batches, self._histogram_schema))
         except Exception as exc:
             self._fail(path, exc, rows, "histogram rows")
 

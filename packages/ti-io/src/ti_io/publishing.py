@@ -10,6 +10,7 @@ layout are ti-schema's (:mod:`ti_schema.layout`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import re
@@ -53,14 +54,32 @@ def temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.{os.getpid()}-{threading.get_ident()}-{n}.ti-tmp")
 
 
+_NO_DIRECTORY_SYNC: Final[frozenset[int]] = frozenset(
+    {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EISDIR, errno.EACCES}
+)
+"""Errors that say a directory cannot be opened or synced here (Windows, some network and
+FUSE file systems), not that the disk failed."""
+
+
 def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (best effort: not every platform allows it)."""
-    with contextlib.suppress(OSError):
+    """Make a rename in ``directory`` durable.
+
+    Where the platform cannot sync a directory (:data:`_NO_DIRECTORY_SYNC`) this is skipped;
+    any other failure (EIO, ENOSPC) is raised: the rename may not survive a power loss.
+    """
+    try:
         fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    except OSError as exc:
+        if exc.errno in _NO_DIRECTORY_SYNC:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _NO_DIRECTORY_SYNC:
+            raise
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -128,23 +147,38 @@ def remove_run_artifacts(directory: Path) -> None:
 
 
 def remove_owned_dir(path: Path) -> None:
-    """Remove a parts directory: our parts, temporaries and run facts; rmdir when empty."""
+    """Remove a parts directory: our parts, temporaries and run facts; rmdir when empty (a
+    stranger's file keeps it, and it is left in place)."""
     owned = (PART_PATTERN, TEMP, re.compile(re.escape(RUN_FILE)))
     for child in list(path.iterdir()):
         if child.is_file() and any(p.fullmatch(child.name) for p in owned):
             with contextlib.suppress(FileNotFoundError):
                 child.unlink()
-    with contextlib.suppress(OSError):
+    try:
         path.rmdir()
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            raise
 
 
-def retire_dir(path: Path) -> None:
-    """Remove a consolidated parts directory: first rename it atomically to a temporary name
-    (so a crash midway never leaves a half-emptied ``*.parts/`` that looks unconsolidated),
-    then remove what we own in it."""
-    if not path.is_dir():
-        return
-    tmp = temp_path(path)
-    os.replace(path, tmp)
-    fsync_dir(path.parent)
-    remove_owned_dir(tmp)
+def remove_stale_temporaries(directory: Path) -> int:
+    """Remove the temporaries that interrupted writes left in a run directory and in its parts
+    directories (files, and parts directories renamed away to be retired); returns how many.
+
+    Only for a finalizer holding the run (``ti_io.journal``): no writer of the run may be
+    running, or its temporary in flight would go.
+    """
+    removed = 0
+    for folder in (directory, directory / HISTORY_PARTS, directory / HISTOGRAM_PARTS):
+        if not folder.is_dir():
+            continue
+        for child in list(folder.iterdir()):
+            if not TEMP.fullmatch(child.name):
+                continue
+            if child.is_dir():
+                remove_owned_dir(child)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    child.unlink()
+            removed += 1
+    return removed

@@ -165,10 +165,16 @@ class TensorBoardSink:
         self._writer: Any = None
 
     def capabilities(self) -> SinkCapabilities:
-        """Written on the training thread only (the defaults): the caller may close its writer
-        as soon as its training loop ends (Lightning does), which a background write could
-        outlive."""
-        return SinkCapabilities(background_writes=False)
+        """Written on the training thread only: the caller may close its writer as soon as its
+        training loop ends (Lightning does), which a background write could outlive. On SIGTERM
+        and at exit the observer flushes the caller's writer (``flush``), whose own thread
+        would otherwise write the events it holds up to two minutes later."""
+        return SinkCapabilities(background_writes=False, flush=self.flush)
+
+    def flush(self) -> None:
+        """Flush the caller's writer (a closed SummaryWriter ignores it)."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def open(self, run: RunInfo) -> None:
         """Resolve the writer (a Lightning logger creates its experiment lazily)."""

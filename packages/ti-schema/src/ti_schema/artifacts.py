@@ -26,6 +26,7 @@ from ti_schema.layout import (
     HISTORY_FILE,
     HISTORY_PARTS,
     INDEX_FILE,
+    JOURNAL_FILE,
     RESULT_FILE,
     list_parts,
     list_rank_dirs,
@@ -80,6 +81,14 @@ def _check_run_dir(
 ) -> None:
     history = directory / HISTORY_FILE
     parts_dir = directory / HISTORY_PARTS
+    if not allow_live and (directory / JOURNAL_FILE).exists():
+        problems.append(
+            ArtifactProblem(
+                directory / JOURNAL_FILE,
+                "present: a finalization of this run did not finish (run `ti consolidate DIR`, "
+                "which resumes it)",
+            )
+        )
     if history.is_file():
         _check_parquet(history, validate_history, rank, problems)
     elif parts_dir.is_dir():
@@ -124,8 +133,9 @@ def artifact_dir_problems(
     rank-private runs (``rank-000/``, ``rank-001/``, ...) is checked rank by rank, and each
     rank's rows must carry its own ``rank``. ``allow_live``: a run that has ``history.parts/``
     but no history.parquet yet (live, or interrupted before ``ti consolidate``) conforms when
-    its parts do; otherwise it is reported as not consolidated.
-    Raises NotADirectoryError when ``path`` is not a directory.
+    its parts do, and so does one whose finalization was interrupted (the finalization journal
+    is there: the files written so far and the parts are checked); otherwise both are reported
+    as not consolidated. Raises NotADirectoryError when ``path`` is not a directory.
     """
     root = Path(path)
     if not root.is_dir():

@@ -8,6 +8,7 @@ across ranks, ``ti validate`` and the conformance kit check it. How files are wr
     tensorboard/           event files
     history.parts/         part-000000.parquet, part-000001.parquet, ..., run.json (live runs)
     histograms.parts/      part-000000.parquet, ...                              (live runs)
+    finalization.json      the finalization journal (only while a finalization is unfinished)
 
 When every rank writes, ``output_dir/rank-000/``, ``output_dir/rank-001/``, ... each hold one.
 Parts are ordered by their number (not by name: ``part-1000000`` follows ``part-999999``);
@@ -30,8 +31,18 @@ HISTOGRAM_PARTS: Final[str] = "histograms.parts"
 TENSORBOARD_DIR: Final[str] = "tensorboard"
 RUN_FILE: Final[str] = "run.json"
 """Run facts kept inside ``history.parts/`` while the run is unconsolidated."""
+JOURNAL_FILE: Final[str] = "finalization.json"
+"""The finalization journal: present from the start of a finalization until it has finished,
+it records the last step completed so an interrupted finalization resumes instead of starting
+over. Its states and format are ti-io's (``ti_io.journal``, docs/artifacts.md)."""
 
-RUN_FILES: Final[tuple[str, ...]] = (HISTORY_FILE, HISTOGRAMS_FILE, RESULT_FILE, INDEX_FILE)
+RUN_FILES: Final[tuple[str, ...]] = (
+    HISTORY_FILE,
+    HISTOGRAMS_FILE,
+    RESULT_FILE,
+    INDEX_FILE,
+    JOURNAL_FILE,
+)
 RUN_DIRS: Final[tuple[str, ...]] = (HISTORY_PARTS, HISTOGRAM_PARTS, TENSORBOARD_DIR)
 RUN_ENTRIES: Final[tuple[str, ...]] = RUN_FILES + RUN_DIRS
 """Every top-level entry a run owns; their presence marks a directory as holding a run."""

@@ -71,6 +71,14 @@ class SinkCapabilities:
     """Called once at attach, when the observer writes from its worker, with a :data:`Barrier`.
     The sink calls the barrier before serving a read (a flush, an in-memory table) that must
     include every signal that ended before it."""
+    flush: Callable[[], None] | None = None
+    """Publish now, durably, every record received so far, and return once it is published;
+    the sink stays open. The observer calls it when the process is about to end without
+    ``close``: on SIGTERM (preemption) and at interpreter exit, from a thread of its own that it
+    waits for a bounded time. The signal may stop the training thread anywhere, even inside one
+    of this sink's writes, so the flush must not wait on a lock that a write holds for long. A
+    sink with nothing a process exit could lose (in memory only, or unbuffered) leaves it
+    None."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.background_writes, bool):
@@ -82,6 +90,11 @@ class SinkCapabilities:
             raise TypeError(
                 "SinkCapabilities(on_barrier=...) must be a callable taking the barrier "
                 f"(e.g. a bound method of the sink) or None, got {self.on_barrier!r}"
+            )
+        if self.flush is not None and not callable(self.flush):
+            raise TypeError(
+                "SinkCapabilities(flush=...) must be a callable taking no arguments "
+                f"(e.g. the sink's bound flush method) or None, got {self.flush!r}"
             )
 
 
@@ -95,9 +108,10 @@ class Sink(Protocol):
 
     Optional capabilities are declared, not guessed: a sink that also defines
     ``capabilities(self) -> SinkCapabilities`` (the :class:`DeclaresCapabilities` protocol) may
-    have its writes come from the observer's emission worker (``background_writes=True``) and
-    receive a barrier to wait for queued signals (``on_barrier``). A sink without the method
-    gets ``SinkCapabilities()``: training-thread writes, no barrier.
+    have its writes come from the observer's emission worker (``background_writes=True``),
+    receive a barrier to wait for queued signals (``on_barrier``) and be asked to publish what
+    it holds when the process is about to end (``flush``). A sink without the method gets
+    ``SinkCapabilities()``: training-thread writes, no barrier, no flush.
     """
 
     def open(self, run: RunInfo) -> None:

@@ -4,7 +4,8 @@ Ownership: the observer opens its sinks in ``inject_observer`` (before this exis
 each exactly once through :meth:`SinkFanout.close` in ``remove_observer``. Every write of every
 signal, inline or from the emission worker, goes through :meth:`SinkFanout.write_history` /
 :meth:`SinkFanout.write_histograms`, under one lock, so sinks see one writer at a time and
-nothing after their close.
+nothing after their close. :meth:`SinkFanout.flush` (SIGTERM, interpreter exit) calls the
+sinks' declared ``flush`` outside that lock.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pyarrow as pa
 from ti_core.errors import SINK_CONSEQUENCE, ErrorPolicy
 from ti_core.sink import Barrier, Sink, SinkCapabilities, sink_capabilities
 
-SinkAction = Literal["writing to", "closing"]
+SinkAction = Literal["writing to", "flushing", "closing"]
 """What was being done to a sink when it failed (the start of the warning's stage)."""
 
 
@@ -75,6 +76,23 @@ class SinkFanout:
                     sink.write_histograms(batch)
                 except Exception as error:
                     self.report(sink, "writing to", error)
+
+    def flush(self) -> list[tuple[Sink, Exception]]:
+        """Ask each sink that declared ``flush`` to publish what it holds, in order; return the
+        failures. For the end of a process (``ti_core.preemption``), so without the lock: the
+        signal may have stopped the training thread inside a write that holds it. Nothing once
+        the sinks are closed."""
+        failures: list[tuple[Sink, Exception]] = []
+        for sink, declared in zip(self.sinks, self.capabilities, strict=True):
+            if self._closed:
+                break
+            if declared.flush is None:
+                continue
+            try:
+                declared.flush()
+            except Exception as error:
+                failures.append((sink, error))
+        return failures
 
     def close(self) -> list[tuple[Sink, Exception]]:
         """Close every sink once, after any write in progress; return the close failures (the
