@@ -1,10 +1,10 @@
 """Development sessions of the TorchInstruments monorepo (see docs/development.md).
 
 Plain `nox` runs the default matrix: lint, tests (one environment per package holding only that
-package and its declared dependencies), e2e, minimums, wheels and legacy. `demo` and `bench` run
-on request. The helpers live in nox_helpers.py; every pip call goes through `helpers.install`,
-which applies the one torch pin in constraints/torch.txt. Loading this file changes nothing on
-the machine: interpreters are looked up, not linked, and PATH is left alone.
+package and its declared dependencies), e2e, minimums, wheels and legacy. `demo`, `bench` and
+`properties` run on request. The helpers live in nox_helpers.py; every pip call goes through
+`helpers.install`, which applies the one torch pin in constraints/torch.txt. Loading this file
+changes nothing on the machine: interpreters are looked up, not linked, and PATH is left alone.
 """
 
 from __future__ import annotations
@@ -215,6 +215,29 @@ def demo(session: nox.Session) -> None:
     session.run(
         "python", str(script), *session.posargs, env={"MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1"}
     )
+
+
+PROPERTY_TESTS = (
+    (
+        "packages/ti-core/tests/test_properties.py",
+        "packages/ti-core/tests/test_reducers.py",
+        "packages/ti-core/tests/test_histograms.py",
+    ),
+    ("packages/ti-schema/tests/test_mutations.py",),
+)
+"""The files holding Hypothesis property tests (with their example-based neighbours), per
+package."""
+
+
+@nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never", default=False)
+def properties(session: nox.Session) -> None:
+    """The property tests unseeded and ten times longer: the Hypothesis profile ``properties``
+    (registered in packages/ti-core/tests/conftest.py). Each run draws new examples; a failure
+    prints the blob that reproduces it (``@reproduce_failure``)."""
+    helpers.install(session, *TEST_TOOLS, *helpers.source_args(("ti-schema", "ti-core")))
+    env = {**helpers.TEST_ENV, "TI_HYPOTHESIS_PROFILE": "properties"}
+    for paths in PROPERTY_TESTS:  # one pytest per package: each tests folder has its own conftest
+        session.run("pytest", *paths, "-p", "no:cacheprovider", *session.posargs, env=env)
 
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never", default=False)

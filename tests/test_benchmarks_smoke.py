@@ -22,9 +22,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "run.py"
 
-pytest.importorskip("psutil")
-pytest.importorskip("ti_io")
-
 ROUND_COLUMNS = (
     "rounds",
     "ratio_min",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
@@ -42,7 +41,8 @@ def test_caller_summary_writer_is_flushed_not_closed(tmp_path: Path) -> None:
 
 
 def test_lightning_logger_experiment_is_used(tmp_path: Path) -> None:
-    loggers = pytest.importorskip("lightning.pytorch.loggers")
+    from lightning.pytorch import loggers
+
     logger = loggers.TensorBoardLogger(str(tmp_path), name="lt", version=0)
     run = example_run_info()
     sink = TensorBoardSink(logger)

@@ -1,22 +1,39 @@
-"""Leaks: many sampled steps, including forwards that never get a backward, keep process memory
-and the count of live tensors flat (a generous bound here; benchmarks/soak.py runs the full
-20,000 steps and measures precisely)."""
+"""Leaks: many sampled steps, including forwards that never get a backward, must not grow what
+the process holds. Measured after a warm-up, over the following steps: Arrow's allocations
+(``pyarrow.total_allocated_bytes``), Python allocations (``tracemalloc``) and live objects
+(tensors, record batches, everything the garbage collector tracks), each with a tight bound.
+``test_a_planted_leak_is_caught`` proves the bounds see a leak: an observer that keeps every
+batch it emits fails them. (benchmarks/soak.py runs 20,000 steps and measures RSS.)"""
 
 from __future__ import annotations
 
 import gc
+import tracemalloc
 import warnings
+from collections import Counter
+from dataclasses import dataclass
 
-import psutil
 import pyarrow as pa
+import pytest
 import torch
 from torch import nn
 
 from ti_core import AlwaysSampler, RunInfo, inject_observer, remove_observer
+from ti_core.emission.sinks import SinkFanout
 
-STEPS = 600
 WARMUP = 100
-"""Scaled to the shared 2-core CI budget (a sampled step of this model costs ~20 ms there)."""
+STEPS = 200
+"""Measured steps after the warm-up (a sampled step of this model costs ~20 ms on CI, ~2x that
+under tracemalloc)."""
+
+ARROW_BOUND = 4 * 2**10
+"""Arrow bytes the measured steps may add in total: measured 0; the planted leak adds ~19 KiB
+per step."""
+PYTHON_BOUND = 64 * 2**10
+"""Python heap bytes (tracemalloc) the measured steps may add in total: measured ~2 KiB."""
+OBJECTS_BOUND = STEPS // 2
+"""gc-tracked objects the measured steps may add (measured: none; one leaked object every
+second step breaks it)."""
 
 
 class CountingSink:
@@ -40,28 +57,49 @@ class CountingSink:
         self.closed += 1
 
 
-def _live_tensors() -> int:
+@dataclass(frozen=True)
+class Snapshot:
+    arrow: int
+    python: int
+    objects: Counter[str]
+
+
+def _snapshot() -> Snapshot:
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on torch's deprecated module proxies
         warnings.simplefilter("ignore", FutureWarning)
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        kinds: Counter[str] = Counter()
+        for o in gc.get_objects():
+            kinds["all"] += 1
+            if isinstance(o, torch.Tensor):
+                kinds["tensors"] += 1
+            elif isinstance(o, pa.RecordBatch | pa.Table | pa.Array):
+                kinds["arrow"] += 1
+    return Snapshot(pa.total_allocated_bytes(), tracemalloc.get_traced_memory()[0], kinds)
 
 
-def _rss() -> int:
-    gc.collect()
-    return int(psutil.Process().memory_info().rss)
+@dataclass(frozen=True)
+class Growth:
+    arrow_bytes: int
+    python_bytes: int
+    objects: dict[str, int]
+    history_rows: int
+
+    def problems(self) -> list[str]:
+        """Every bound the measured steps broke (empty: no leak seen)."""
+        found = []
+        if self.arrow_bytes > ARROW_BOUND:
+            found.append(f"Arrow allocations grew {self.arrow_bytes} B")
+        if self.python_bytes > PYTHON_BOUND:
+            found.append(f"Python allocations grew {self.python_bytes} B")
+        if self.objects["all"] > OBJECTS_BOUND:
+            found.append(f"{self.objects['all']} more live objects")
+        if self.objects["tensors"] > 0 or self.objects["arrow"] > 0:
+            found.append(f"more live tensors/Arrow objects: {self.objects}")
+        return found
 
 
-def test_many_sampled_steps_keep_memory_and_live_tensors_flat() -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: intra-op threads only add contention
-    try:
-        _soak()
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _soak() -> None:
+def _soak(steps: int, warmup: int = WARMUP) -> Growth:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh())
     model.add_module("head", nn.Linear(32, 4))
@@ -80,18 +118,62 @@ def _soak() -> None:
         out.pow(2).mean().backward()
         opt.step()
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: intra-op threads only add contention
     try:
-        for i in range(WARMUP):
+        for i in range(warmup):
             step(i)
-        tensors, rss = _live_tensors(), _rss()
-        for i in range(WARMUP, STEPS):
+        tracemalloc.start()  # traces what the measured steps allocate (and still hold)
+        before, rows_before = _snapshot(), sink.history_rows
+        for i in range(warmup, warmup + steps):
             step(i)
-        tensors_after, rss_after = _live_tensors(), _rss()
+        after = _snapshot()
     finally:
+        tracemalloc.stop()
+        torch.set_num_threads(threads)
         remove_observer(model)
     assert sink.closed == 1
-    # every step was sampled and measured: 5 layers x 9 metrics of outputs per forward
-    forwards = STEPS + sum(1 for i in range(STEPS) if i % 5 == 4 and i % 3 != 2)
-    assert sink.history_rows >= forwards * 5 * 9
-    assert tensors_after - tensors <= 20, (tensors, tensors_after)
-    assert rss_after - rss <= 48 * 2**20, (rss, rss_after)
+    return Growth(
+        after.arrow - before.arrow,
+        after.python - before.python,
+        {k: after.objects[k] - before.objects[k] for k in ("all", "tensors", "arrow")},
+        sink.history_rows - rows_before,
+    )
+
+
+def _forwards(start: int, stop: int) -> int:
+    return sum(1 + (i % 5 == 4 and i % 3 != 2) for i in range(start, stop))
+
+
+def test_many_sampled_steps_keep_memory_and_live_objects_flat() -> None:
+    growth = _soak(STEPS)
+    # every measured step was sampled: at least 5 layers x 9 metrics of outputs per forward
+    assert growth.history_rows >= _forwards(WARMUP, WARMUP + STEPS) * 5 * 9
+    assert growth.problems() == [], growth
+
+
+def test_a_planted_leak_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The defect the bounds exist for: an observer that keeps every batch it emits."""
+    kept: list[pa.RecordBatch] = []
+    history, histograms = SinkFanout.write_history, SinkFanout.write_histograms
+
+    def keep_history(self: SinkFanout, batch: pa.RecordBatch) -> None:
+        kept.append(batch)
+        history(self, batch)
+
+    def keep_histograms(self: SinkFanout, batch: pa.RecordBatch) -> None:
+        kept.append(batch)
+        histograms(self, batch)
+
+    monkeypatch.setattr(SinkFanout, "write_history", keep_history)
+    monkeypatch.setattr(SinkFanout, "write_histograms", keep_histograms)
+    growth = _soak(STEPS // 4, warmup=20)
+    assert len(kept) > STEPS // 4
+    problems = growth.problems()
+    # each measure sees it on its own
+    assert [p.split(" ")[0] for p in problems] == [
+        "Arrow",
+        "Python",
+        str(growth.objects["all"]),
+        "more",
+    ]

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+import ti_core
+import ti_io  # noqa: F401  (the real run below writes through ti-io)
 import ti_schema
 from ti_schema import SchemaMismatchError, validate_histograms, validate_history
 from ti_schema.testing import (
@@ -23,7 +27,13 @@ from ti_schema.testing import (
     example_history_table,
 )
 
-pl = pytest.importorskip("polars")
+
+def assert_same_rows(got: pa.Table | pl.DataFrame, want: pa.Table) -> None:
+    """Every row and column, values included (string flavours aside: Python values compare)."""
+    table = got.to_arrow() if isinstance(got, pl.DataFrame) else got
+    assert want.num_rows > 0
+    assert table.column_names == want.column_names
+    assert table.to_pylist() == want.to_pylist()
 
 
 @pytest.fixture
@@ -60,6 +70,7 @@ def test_polars_scan_validates_and_keeps_values(history_file: Path) -> None:
     lazy = pl.scan_parquet(history_file)
     arrow = lazy.collect().to_arrow()
     validate_history(arrow, metadata=pl.read_parquet_metadata(history_file), nullability="data")
+    assert_same_rows(arrow, pq.read_table(history_file))
     unavailable = lazy.filter(pl.col("value").is_null()).collect()
     assert unavailable.height > 0
     assert unavailable["unavailable_reason"].null_count() == 0
@@ -75,6 +86,7 @@ def test_dictionary_encoded_file_reads_back_through_polars(tmp_path: Path) -> No
     pq.write_table(example_history_table(dictionary=True), path)
     arrow = pl.read_parquet(path).to_arrow()
     validate_history(arrow, metadata=pl.read_parquet_metadata(path), nullability="data")
+    assert_same_rows(arrow, example_history_table(dictionary=True))
 
 
 def test_plain_polars_write_drops_metadata_and_nullability(
@@ -109,6 +121,7 @@ def test_polars_write_with_the_contract_options_conforms(
     assert not table.schema.field("layer").nullable
     validate_history(table, metadata=footer)
     validate_history(pl.read_parquet(out), metadata=footer, nullability="data")
+    assert_same_rows(table, pq.read_table(history_file))
 
 
 def test_histograms_round_trip_through_polars(tmp_path: Path) -> None:
@@ -117,9 +130,11 @@ def test_histograms_round_trip_through_polars(tmp_path: Path) -> None:
     pq.write_table(table, source)
     arrow = pl.read_parquet(source).to_arrow()
     validate_histograms(arrow, metadata=pl.read_parquet_metadata(source), nullability="data")
+    assert_same_rows(arrow, table)
     out = tmp_path / "polars.parquet"
     pl.read_parquet(source).write_parquet(out, **ti_schema.polars_write_options(table.schema))
     validate_histograms(pq.read_table(out), metadata=pq.read_metadata(out).metadata)
+    assert_same_rows(pq.read_table(out), table)
 
 
 def test_cross_rank_scan_is_a_valid_table(tmp_path: Path) -> None:
@@ -136,6 +151,10 @@ def test_cross_rank_scan_is_a_valid_table(tmp_path: Path) -> None:
     assert sorted(combined["rank"].unique().to_list()) == [0, 1]
     footer = pl.read_parquet_metadata(stats / "rank-000" / "history.parquet")
     validate_history(combined.to_arrow(), metadata=footer, nullability="data")
+    written = pa.concat_tables(
+        pq.read_table(stats / f"rank-{rank:03d}" / "history.parquet") for rank in (0, 1)
+    )
+    assert_same_rows(combined.sort("rank", maintain_order=True), written)
 
 
 def test_artifact_dir_written_by_polars_conforms(history_file: Path, tmp_path: Path) -> None:
@@ -152,9 +171,6 @@ def test_artifact_dir_written_by_polars_conforms(history_file: Path, tmp_path: P
 
 
 def test_a_real_run_conforms_and_reads_back_through_polars(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    ti_core = pytest.importorskip("ti_core")
-    pytest.importorskip("ti_io")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     stats = tmp_path / "stats"

@@ -6,9 +6,16 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from hypothesis import settings
 from torch import nn
 
 METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
+
+
+def examples(n: int) -> int:
+    """``n`` Hypothesis examples in the default profile, scaled with the loaded profile's
+    ``max_examples`` (x10 under ``properties``; see conftest.py)."""
+    return max(1, n * settings.default.max_examples // 100)
 
 
 def reference(values: Any) -> dict[str, float | None]:

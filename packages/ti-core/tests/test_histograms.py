@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _core_helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -236,7 +237,7 @@ def test_rng_state_untouched() -> None:
     assert torch.equal(before, torch.get_rng_state())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
     sizes=st.lists(st.integers(0, 300), min_size=1, max_size=4),
@@ -270,3 +271,21 @@ def test_observed_histograms_are_the_same_under_inference_mode() -> None:
     (row,) = got[0]
     (h,) = compute_histograms([x], bins=30)
     assert (row["sum"], row["sum_squares"]) == pytest.approx((h.sum, h.sum_squares), rel=1e-12)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    extra=st.integers(0, 3 * (1 << 16)),
+    bins=st.integers(1, 64),
+    nonfinite=st.sampled_from([0.0, 1e-4, 0.3, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_property_large_histograms_match_numpy(
+    dtype: torch.dtype, extra: int, bins: int, nonfinite: float, seed: int
+) -> None:
+    """Above the 65,536-entry threshold (one-pass moments, chunked counting)."""
+    gen = np.random.default_rng(seed)
+    t = sample(gen, dtype, (1 << 16) + 1 + extra, nonfinite)
+    (h,) = compute_histograms([t], bins=bins)
+    check(h, t, bins)

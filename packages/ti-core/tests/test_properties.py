@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _core_helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -122,7 +123,7 @@ tensor_specs = st.tuples(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(specs=st.lists(tensor_specs, min_size=1, max_size=6), seed=st.integers(0, 2**32 - 1))
 def test_mixed_dtypes_and_nonfinite_patterns_in_one_call(
     specs: list[tuple[torch.dtype, tuple[int, ...], str]], seed: int
@@ -138,7 +139,7 @@ def test_mixed_dtypes_and_nonfinite_patterns_in_one_call(
             assert all(r and "empty" in r for r in m.reasons[i])
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     dtype=st.sampled_from(FLOATS),
     rows=st.integers(1, 9),
@@ -165,7 +166,7 @@ class Emit(nn.Module):
         return [x.clone() for x in xs]
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(specs=st.lists(tensor_specs, min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1))
 def test_end_to_end_rows_match_numpy(
     specs: list[tuple[torch.dtype, tuple[int, ...], str]], seed: int
@@ -189,3 +190,48 @@ def test_end_to_end_rows_match_numpy(
     for i, t in enumerate(tensors):
         check(got[f"[{i}]"], t)
         assert dtypes[f"[{i}]"] == str(t.dtype).removeprefix("torch.")
+
+
+# -- large tensors: the selection and histogram paths above the batching threshold ------------
+
+LARGE = (1 << 16) + 1
+"""Smallest size reduced alone, by selection (ti_core.reduction.plan's threshold is 1 << 16)."""
+NONFINITE_RATES = (0.0, 1e-4, 0.3, 0.999, 1.0)
+
+
+def large(gen: np.random.Generator, dtype: torch.dtype, size: int, rate: float) -> torch.Tensor:
+    """A large tensor: heavy-tailed values, ties (rounded copies), and a share ``rate`` of
+    NaN/+inf/-inf entries at random places."""
+    if dtype == torch.bool:
+        return torch.from_numpy(gen.random(size) < 0.4)
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        vals = gen.integers(max(info.min, -1000), min(info.max, 1000) + 1, size=size)
+        return torch.from_numpy(vals.astype(np.int64)).to(dtype)
+    vals = gen.standard_t(3, size) * abs(gen.normal() * 5) + gen.normal() * 10
+    vals[gen.random(size) < 0.2] = np.round(vals[0])  # a block of ties
+    specials = gen.random(size) < rate
+    vals[specials] = gen.choice([np.nan, np.inf, -np.inf], size=int(specials.sum()))
+    return torch.from_numpy(vals).to(dtype)
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(
+    dtypes=st.lists(st.sampled_from(DTYPES), min_size=1, max_size=3),
+    extra=st.integers(0, 3 * (1 << 16)),
+    rate=st.sampled_from(NONFINITE_RATES),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_large_tensors_match_numpy(
+    dtypes: list[torch.dtype], extra: int, rate: float, seed: int
+) -> None:
+    """Sizes from just above the threshold to ~4x it (both sides of the sort limit), every
+    dtype, NaN/inf mixes from none to all, next to a small tensor in the same call."""
+    gen = np.random.default_rng(seed)
+    tensors = [large(gen, d, LARGE + extra + i, rate) for i, d in enumerate(dtypes)]
+    tensors.append(make(gen, torch.float32, (3, 5), "random"))
+    assert all(t.numel() > (1 << 16) for t in tensors[:-1])
+    m = ReductionPlan(default_reducers()).reduce(tensors)
+    assert not m.errors
+    for i, t in enumerate(tensors):
+        check(from_measurements(m, i), t)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _core_helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -445,7 +446,7 @@ def test_reducer_checks_its_fields() -> None:
 # -- property test -----------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     dtype=st.sampled_from(ALL_DTYPES),
     shapes=st.lists(

@@ -27,6 +27,9 @@ from ti_schema.testing import assert_artifact_dir_conforms
 STEPS = 40
 SAMPLE_EVERY = 2
 ONSET_STEP = 4 * SAMPLE_EVERY
+SAMPLES = STEPS // SAMPLE_EVERY
+HEALTHY_SAMPLES = ONSET_STEP // SAMPLE_EVERY
+assert {"baseline", "broken"} <= set(VARIANTS)  # the loops below check both sides
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +72,11 @@ def series(frame: pl.DataFrame, layer: str, signal: str, metric: str) -> pl.Data
 
 
 def split(frame: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Values before and after the onset step."""
+    """Values before and after the onset step: every sample present, so that an ``np.all`` over
+    either side can never pass on an empty array."""
     before = frame.filter(pl.col("forward_index") < ONSET_STEP)["value"].to_numpy()
     after = frame.filter(pl.col("forward_index") >= ONSET_STEP)["value"].to_numpy()
+    assert (len(before), len(after)) == (HEALTHY_SAMPLES, SAMPLES - HEALTHY_SAMPLES)
     return before, after
 
 
@@ -196,6 +201,8 @@ def test_observer_is_passive_and_exact(demo: tuple[Path, list[ProblemResult]]) -
     )
     assert train(problem, "baseline", model, CONFIG) == observed
     recorded = series(history(output, "inactive_relu", "baseline"), "act", "output", "std")
+    assert recorded.height == SAMPLES
+    assert len(captured) == STEPS
     for sample_id, forward_index, value in recorded.iter_rows():
         assert value == pytest.approx(np.std(captured[forward_index]), rel=1e-5), sample_id
     assert len(make_batches(CONFIG)) == STEPS
@@ -266,9 +273,10 @@ def test_plot_draws_gaps_and_onset(demo: tuple[Path, list[ProblemResult]]) -> No
     lines = {line.get_label(): line for line in trunk_axes.get_lines()}
     broken_x = np.asarray(lines["broken"].get_xdata(), dtype=float)
     broken_y = np.asarray(lines["broken"].get_ydata(), dtype=float)
-    assert np.all(np.isnan(broken_y[broken_x >= 4]))
-    assert np.all(np.isfinite(broken_y[broken_x < 4]))
-    assert np.all(np.isfinite(np.asarray(lines["baseline"].get_ydata(), dtype=float)))
+    assert np.isnan(broken_y[broken_x >= 4]).sum() == SAMPLES - HEALTHY_SAMPLES
+    assert np.isfinite(broken_y[broken_x < 4]).sum() == HEALTHY_SAMPLES
+    assert len(broken_y) == SAMPLES
+    assert np.isfinite(np.asarray(lines["baseline"].get_ydata(), dtype=float)).sum() == SAMPLES
     onset = lines[f"fault onset (step {ONSET_STEP})"]
     assert list(onset.get_xdata()) == [4, 4]
     assert "no value at samples 4-19" in trunk_axes.get_title()

@@ -6,10 +6,6 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
-pytest.importorskip("lightning")
-pytest.importorskip("sklearn")
-
 from tensorboard.backend.event_processing.event_accumulator import (
     HISTOGRAMS,
     SCALARS,

@@ -7,8 +7,6 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-pytest.importorskip("transformers")
-
 from ti_examples.transformer_tiny import run_transformer_tiny
 from ti_schema.testing import assert_artifact_dir_conforms
 

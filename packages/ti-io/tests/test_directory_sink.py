@@ -15,6 +15,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _fidelity import HISTOGRAM_KEY, assert_result_json_matches, assert_rows_equal
 from _io_helpers import Synth, make_run
 
 import ti_io.parts
@@ -32,18 +33,22 @@ from ti_schema.testing import load_strict_json
 
 def run_sink(
     out: Path, synth: Synth, samples: int, *, buffer_rows: int = 100, window: int = 3
-) -> DirectorySink:
+) -> tuple[DirectorySink, dict[str, list[pa.RecordBatch]]]:
+    """A sink fed ``samples`` synthetic samples (odd ones dictionary-encoded), and what was sent."""
     sink = DirectorySink(out, history_config=HistoryConfig(buffer_rows=buffer_rows, window=window))
     sink.open(synth.run)
+    sent: dict[str, list[pa.RecordBatch]] = {"history": [], "histograms": []}
     for sample in range(samples):
-        sink.write_history(synth.history(sample, dictionary=sample % 2 == 1))
-        sink.write_histograms(synth.histograms(sample))
-    return sink
+        sent["history"].append(synth.history(sample, dictionary=sample % 2 == 1))
+        sent["histograms"].append(synth.histograms(sample))
+        sink.write_history(sent["history"][-1])
+        sink.write_histograms(sent["histograms"][-1])
+    return sink, sent
 
 
 def test_artifacts_have_exact_rows_and_conform(tmp_path: Path, synth: Callable[..., Synth]) -> None:
     s = synth(empty_every=4)
-    sink = run_sink(tmp_path / "stats", s, samples=25)
+    sink, sink_sent = run_sink(tmp_path / "stats", s, samples=25)
     sink.close()
     out = tmp_path / "stats"
     assert sorted(p.name for p in out.iterdir()) == [
@@ -68,11 +73,10 @@ def test_artifacts_have_exact_rows_and_conform(tmp_path: Path, synth: Callable[.
         "producer": "ti-io tests",
         "window": 3,  # the run fact of contract 1.1: result.json's window
     }
-    # Dictionary-encoded input batches are stored as plain strings, identical to the input.
-    expected = pa.concat_tables(
-        pa.Table.from_batches([Synth(s.run, empty_every=4).history(i)]) for i in range(25)
-    )
-    assert history.drop(["value"]).equals(expected.drop(["value"]))
+    # Every row, value included, is what was sent (dictionary-encoded input as plain strings).
+    assert_rows_equal(history, sink_sent["history"])
+    assert_rows_equal(histograms, sink_sent["histograms"], HISTOGRAM_KEY)
+    assert_result_json_matches(load_strict_json(out / "result.json"), sink_sent["history"], 3)
 
 
 def test_catalog_and_index_readable_before_close(
@@ -98,7 +102,7 @@ def test_catalog_and_index_readable_before_close(
 def test_parts_are_readable_while_running(tmp_path: Path, synth: Callable[..., Synth]) -> None:
     s = synth()
     per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)  # 36 rows
-    sink = run_sink(tmp_path, s, samples=10, buffer_rows=50)
+    sink, sent = run_sink(tmp_path, s, samples=10, buffer_rows=50)
     sink.flush()
     parts = sorted((tmp_path / "history.parts").glob("*.parquet"))
     assert len(parts) >= 2
@@ -107,35 +111,14 @@ def test_parts_are_readable_while_running(tmp_path: Path, synth: Callable[..., S
     assert live.get_column("sample_id").unique().sort().to_list() == list(range(10))
     for part in parts:  # each part is a complete, conforming Parquet file
         validate_history(pq.read_table(part))
-    sink.write_history(s.history(10))
+    assert_rows_equal(pa.concat_tables(pq.read_table(p) for p in parts), sent["history"])
+    assert_rows_equal(live.to_arrow(), sent["history"])
+    sent["history"].append(s.history(10))
+    sink.write_history(sent["history"][-1])
     sink.close()
     assert scan_history(tmp_path).select(pl.len()).collect().item() == 11 * per_sample
+    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
     assert not (tmp_path / "history.parts").exists()
-
-
-def _reference(values: list[float | None], window: int) -> dict[str, Any]:
-    observed = np.array([v for v in values if v is not None], dtype=np.float64)
-    ref: dict[str, Any] = {
-        "observations": len(observed),
-        "unavailable": len(values) - len(observed),
-    }
-    if len(observed) == 0:
-        return ref | dict.fromkeys(("mean", "std", "min", "p25", "p50", "p75", "max"))
-    ref |= {
-        "mean": observed.mean(),
-        "std": observed.std(ddof=0),
-        "min": observed.min(),
-        "p25": np.percentile(observed, 25),
-        "p50": np.percentile(observed, 50),
-        "p75": np.percentile(observed, 75),
-        "max": observed.max(),
-        # partial windows: the last min(n, window) values, and the up to `window` before them
-        "recent_window_mean": observed[-window:].mean(),
-        "previous_window_mean": observed[max(0, len(observed) - 2 * window) : -window].mean()
-        if len(observed) > window
-        else None,
-    }
-    return ref
 
 
 def test_result_json_matches_numpy_reference(tmp_path: Path, synth: Callable[..., Synth]) -> None:
@@ -148,29 +131,10 @@ def test_result_json_matches_numpy_reference(tmp_path: Path, synth: Callable[...
     for i in [*range(10, 23), *range(10)]:
         sink.write_history(batches[i])
     sink.close()
-    history = pl.read_parquet(tmp_path / "history.parquet").sort("sample_id")
+    sent = list(batches.values())
+    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent)
     records = load_strict_json(tmp_path / "result.json")
-    checked = 0
-    for record in records:
-        for tensor in record["tensors"]:
-            for metric, stats in tensor["statistics"].items():
-                values = (
-                    history.filter(
-                        (pl.col("layer") == record["layer"])
-                        & (pl.col("signal") == tensor["signal"])
-                        & (pl.col("metric") == metric)
-                    )
-                    .get_column("value")
-                    .to_list()
-                )
-                for key, expected in _reference(values, window).items():
-                    if expected is None:
-                        assert stats[key] is None, (record["layer"], metric, key)
-                    elif isinstance(expected, int):
-                        assert stats[key] == expected
-                    else:
-                        assert stats[key] == pytest.approx(float(expected), rel=1e-12, abs=1e-15)
-                checked += 1
+    checked = assert_result_json_matches(records, sent, window)  # numpy, from the sent batches
     assert checked == 2 * len(s.run.layers) * len(DEFAULT_METRICS)
     gradient = next(t for t in records[-1]["tensors"] if t["signal"] == "output_gradient")
     stats = gradient["statistics"]["mean"]
@@ -181,7 +145,7 @@ def test_result_json_matches_numpy_reference(tmp_path: Path, synth: Callable[...
 
 def test_null_aggregates_carry_reasons(tmp_path: Path, synth: Callable[..., Synth]) -> None:
     s = synth(empty_every=1)  # the last layer's gradient is always empty
-    sink = run_sink(tmp_path, s, samples=5, window=3)
+    sink, _ = run_sink(tmp_path, s, samples=5, window=3)
     sink.close()
     records = load_strict_json(tmp_path / "result.json")
     empty = next(t for t in records[-1]["tensors"] if t["signal"] == "output_gradient")
@@ -202,23 +166,26 @@ def test_short_histories_get_partial_window_means(
     """25 observations, window 20 (the default): the last 20 and the 5 before them; a history
     no longer than the window has a recent mean and an explained null previous mean."""
     s = synth(seed=3)
+    sent: dict[int, list[pa.RecordBatch]] = {}
     for samples, out in ((25, tmp_path / "long"), (6, tmp_path / "short")):
         sink = DirectorySink(out)
         sink.open(s.run)
-        for sample in range(samples):
-            sink.write_history(s.history(sample))
+        sent[samples] = [s.history(sample) for sample in range(samples)]
+        for batch in sent[samples]:
+            sink.write_history(batch)
         sink.close()
-    history = pl.read_parquet(tmp_path / "long" / "history.parquet")
-    values = (
-        history.filter(
-            (pl.col("layer") == s.run.layers[0].name)
-            & (pl.col("signal") == "output")
-            & (pl.col("metric") == "mean")
-        )
-        .sort("sample_id")
-        .get_column("value")
-        .to_numpy()
+    assert_result_json_matches(load_strict_json(tmp_path / "long" / "result.json"), sent[25], 20)
+    assert_result_json_matches(load_strict_json(tmp_path / "short" / "result.json"), sent[6], 20)
+    values = np.array(
+        [
+            row["value"]
+            for batch in sent[25]
+            for row in batch.to_pylist()
+            if (row["layer"], row["signal"], row["metric"])
+            == (s.run.layers[0].name, "output", "mean")
+        ]
     )
+    assert len(values) == 25
     stats = load_strict_json(tmp_path / "long" / "result.json")[0]["tensors"][0]["statistics"]
     assert stats["mean"]["recent_window_mean"] == pytest.approx(values[5:].mean(), rel=1e-12)
     assert stats["mean"]["previous_window_mean"] == pytest.approx(values[:5].mean(), rel=1e-12)
@@ -252,7 +219,7 @@ def test_nan_values_never_reach_json(tmp_path: Path, synth: Callable[..., Synth]
 
 def test_existing_run_is_refused_untouched(tmp_path: Path, synth: Callable[..., Synth]) -> None:
     s = synth()
-    run_sink(tmp_path, s, samples=3).close()
+    run_sink(tmp_path, s, samples=3)[0].close()
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     with pytest.raises(FileExistsError, match=r"overwrite=True") as caught:
         DirectorySink(tmp_path).open(s.run)
@@ -262,10 +229,10 @@ def test_existing_run_is_refused_untouched(tmp_path: Path, synth: Callable[..., 
 
 def test_overwrite_replaces_only_our_artifacts(tmp_path: Path, synth: Callable[..., Synth]) -> None:
     s = synth()
-    run_sink(tmp_path, s, samples=3).close()
+    run_sink(tmp_path, s, samples=3)[0].close()
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "tensorboard" / "keep.txt").write_text("mine too")
-    live = run_sink(tmp_path / "live", s, samples=2)
+    live, _ = run_sink(tmp_path / "live", s, samples=2)
     with pytest.raises(FileExistsError):
         DirectorySink(tmp_path / "live").open(s.run)  # a live run is a run too
     live.close()
@@ -414,32 +381,50 @@ def test_deleted_directory_is_reported(tmp_path: Path, synth: Callable[..., Synt
 def test_backpressure_blocks_instead_of_dropping(
     tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With the writer stuck on the first part and the queue full, the next write_history waits
+    inside the queue (observed, not timed), and every row arrives once the disk frees up."""
     s = synth()
-    gate = threading.Event()
+    writing, gate, blocked = threading.Event(), threading.Event(), threading.Event()
     real = ti_io.parts.write_parquet
 
     def slow(path: Path, table: pa.Table) -> None:
+        writing.set()
         gate.wait()
         real(path, table)
 
     monkeypatch.setattr(ti_io.parts, "write_parquet", slow)
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=1))
     sink.open(s.run)
+    assert sink._writer is not None
     chunks = ti_io.parts.QUEUE_CHUNKS + 3
+    queue = sink._writer._queue
+    real_put = queue.put
+
+    def put(item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if writing.is_set() and queue.full():
+            blocked.set()  # the writer holds chunk 0 and cannot take more: this put must wait
+        real_put(item, block, timeout)
+
+    monkeypatch.setattr(queue, "put", put)
+    returned: list[int] = []
+    sent = [s.history(i) for i in range(chunks)]
 
     def train() -> None:
-        for i in range(chunks):
-            sink.write_history(s.history(i))
+        for i, batch in enumerate(sent):
+            sink.write_history(batch)
+            returned.append(i)
 
     producer = threading.Thread(target=train)
     producer.start()
-    producer.join(timeout=0.5)
-    assert producer.is_alive()  # the queue is full and the writer is stuck: training waits
+    assert blocked.wait(timeout=60), "the producer never met a full queue"  # deadlock guard
+    # one chunk in the writer's hands, QUEUE_CHUNKS waiting; the next call has not returned
+    assert returned == list(range(ti_io.parts.QUEUE_CHUNKS + 1))
+    assert producer.is_alive()
     gate.set()
     producer.join()
+    assert returned == list(range(chunks))
     sink.close()
-    ids = pl.read_parquet(tmp_path / "history.parquet").get_column("sample_id").unique().sort()
-    assert ids.to_list() == list(range(chunks))
+    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent)
 
 
 def test_several_reasons_are_counted(tmp_path: Path, synth: Callable[..., Synth]) -> None:

@@ -8,9 +8,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _fidelity import HISTOGRAM_KEY, assert_result_json_matches, assert_rows_equal
 from _io_helpers import Synth, make_run
 
 from ti_io import (
@@ -26,31 +29,39 @@ from ti_schema.layout import rank_dir_name
 from ti_schema.testing import load_strict_json
 
 
-def _interrupted(out: Path, s: Synth, samples: int) -> int:
-    """A run whose process 'died' after publishing its parts: no close, no finalization."""
+def _interrupted(out: Path, s: Synth, samples: int) -> dict[str, list[pa.RecordBatch]]:
+    """A run whose process 'died' after publishing its parts: no close, no finalization.
+    Returns the batches sent."""
     sink = DirectorySink(out, history_config=HistoryConfig(buffer_rows=40, window=2))
     sink.open(s.run)
+    sent: dict[str, list[pa.RecordBatch]] = {"history": [], "histograms": []}
     for i in range(samples):
-        sink.write_history(s.history(i))
-        sink.write_histograms(s.histograms(i))
+        sent["history"].append(s.history(i))
+        sent["histograms"].append(s.histograms(i))
+        sink.write_history(sent["history"][-1])
+        sink.write_histograms(sent["histograms"][-1])
     sink._flush_at_exit()  # what the interpreter-exit hook does: parts, no finalization
-    return samples * 2 * len(s.run.layers) * len(DEFAULT_METRICS)
+    return sent
 
 
 def test_consolidate_recovers_every_row(tmp_path: Path, synth: Callable[..., Synth]) -> None:
     s = synth(empty_every=2)
-    rows = _interrupted(tmp_path, s, samples=7)
+    sent = _interrupted(tmp_path, s, samples=7)
+    rows = 7 * 2 * len(s.run.layers) * len(DEFAULT_METRICS)
     assert not (tmp_path / "history.parquet").exists()
-    assert scan_history(tmp_path).select(pl.len()).collect().item() == rows
+    assert_rows_equal(scan_history(tmp_path).collect().to_arrow(), sent["history"])
     done = consolidate(tmp_path)
     assert (done.history_rows, done.histogram_rows) == (rows, 7 * 2 * len(s.run.focus_layers))
-    assert pl.read_parquet(tmp_path / "history.parquet").height == rows
+    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
+    assert_rows_equal(
+        pq.read_table(tmp_path / "histograms.parquet"), sent["histograms"], HISTOGRAM_KEY
+    )
     assert not (tmp_path / "history.parts").exists()
     records = load_strict_json(tmp_path / "result.json")
     validate_result_json(records)
     assert [r["layer"] for r in records] == [i.name for i in s.run.layers]  # catalog kept
-    stats = records[0]["tensors"][0]["statistics"]["mean"]
-    assert stats["recent_window_mean"] is not None  # the run's own window (2) was used
+    # the run's own window (2), numpy over the sent values
+    assert_result_json_matches(records, sent["history"], window=2)
     again = consolidate(tmp_path)  # idempotent
     assert again.already_done
     assert again.history_rows == rows
@@ -283,19 +294,17 @@ def test_cli_summary_uses_the_window_the_run_was_written_with(
     """The run's window (2) holds live (run.json) and after finalization (the history footer),
     and 7 observations give a recent window mean, not a null for lack of 20."""
     s = synth(seed=5)
-    _interrupted(tmp_path, s, samples=7)  # HistoryConfig(window=2)
-    values = (
-        scan_history(tmp_path)
-        .filter(
-            (pl.col("layer") == s.run.layers[0].name)
-            & (pl.col("signal") == "output")
-            & (pl.col("metric") == "std")
-        )
-        .sort("sample_id")
-        .collect()
-        .get_column("value")
-        .to_numpy()
+    sent = _interrupted(tmp_path, s, samples=7)  # HistoryConfig(window=2)
+    values = np.array(
+        [
+            row["value"]
+            for batch in sent["history"]
+            for row in batch.to_pylist()
+            if (row["layer"], row["signal"], row["metric"])
+            == (s.run.layers[0].name, "output", "std")
+        ]
     )
+    assert len(values) == 7
     for state in ("live", "finalized"):
         if state == "finalized":
             assert main(["consolidate", str(tmp_path)]) == 0

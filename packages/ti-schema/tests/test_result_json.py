@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import jsonschema
 import pytest
 
 from ti_schema import RESULT_JSON_SCHEMA, SchemaMismatchError, validate_result_json
@@ -190,7 +191,6 @@ def test_schema_lists_every_statistic_key() -> None:
 
 
 def test_json_schema_agrees_with_the_python_validator() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     validator_class = jsonschema.Draft202012Validator
     validator_class.check_schema(RESULT_JSON_SCHEMA)
     validator = validator_class(RESULT_JSON_SCHEMA)
