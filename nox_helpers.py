@@ -29,10 +29,22 @@ TORCH_PIN: Final[Path] = ROOT / "constraints" / "torch.txt"
 REPORTS: Final[Path] = ROOT / ".nox" / "reports"
 """Cross-session record of every pytest run; .ci/run sums these into its closing line."""
 
-PACKAGES: Final[tuple[str, ...]] = ("ti-schema", "ti-core", "ti-io", "ti-dist", "ti-examples")
+PACKAGES: Final[tuple[str, ...]] = (
+    "ti-schema",
+    "ti-core",
+    "ti-io",
+    "ti-dist",
+    "ti-trainers",
+    "ti-examples",
+)
 """Every distribution under packages/, dependencies first."""
-TEST_EXTRAS: Final[Mapping[str, tuple[str, ...]]] = {"ti-examples": ("lightning", "transformers")}
-"""Extras a package's own tests need (the examples exercise Lightning and Transformers)."""
+TEST_EXTRAS: Final[Mapping[str, tuple[str, ...]]] = {
+    "ti-io": ("plot",),
+    "ti-trainers": ("lightning", "transformers"),
+    "ti-examples": ("lightning", "transformers"),
+}
+"""Extras a package's own tests need (``ti compare --plot`` draws with matplotlib; the callbacks
+and the examples exercise Lightning and Transformers)."""
 
 # Tests must not reach a model hub (no network in CI) nor open plot windows.
 TEST_ENV: Final[Mapping[str, str]] = {

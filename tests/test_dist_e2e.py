@@ -26,8 +26,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ti_core import has_observer, inject_observer
-from ti_dist import compare_ranks, scan_ranks
+from ti_dist import combine_shards, compare_ranks, scan_ranks
 from ti_io import consolidate
+from ti_schema import PARAMETER_SIGNALS, SIGNALS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -135,6 +136,8 @@ for phase in cfg["phases"]:
 
         policy = Ranks(policy)
     options = {"sampler": AlwaysSampler(), "rank_policy": policy}
+    if phase["signals"]:
+        options["signals"] = phase["signals"]
     if phase["buffer_rows"]:
         from ti_io import DirectorySink, HistoryConfig
 
@@ -155,6 +158,11 @@ for phase in cfg["phases"]:
         net = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     shard = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    def whole(tensor):
+        # every rank takes part in gathering a DTensor (a collective); a plain tensor is whole
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        return full.detach().double().numpy().copy()
+
     for step in range(phase["steps"]):
         x = torch.randn(16, 8, generator=shard)
         y = torch.randn(16, 4, generator=shard)
@@ -162,9 +170,18 @@ for phase in cfg["phases"]:
             with torch.no_grad():
                 first = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
             np.save(side / f"{name}-rank{rank}-layer0-output.npy", first.numpy())
+        reference = step == 0 and phase["signals"]
+        if reference:  # layer 2's weight: its value, gradient and update at step 0, whole
+            value = whole(model[2].weight)
         loss = torch.nn.functional.mse_loss(net(x), y)
         loss.backward()
+        if reference:
+            grad = whole(model[2].weight.grad)
         opt.step()
+        if reference:
+            update = whole(model[2].weight) - value
+            for part, array in (("value", value), ("grad", grad), ("update", update)):
+                np.save(side / f"{name}-rank{rank}-weight-{part}.npy", array)
         opt.zero_grad()
 
     # No collective after this point: a rank may die here without stranding the others.
@@ -215,6 +232,7 @@ def phase(
         "buffer_rows": None,
         "kill_rank": None,
         "min_parts": 0,
+        "signals": None,
     }
     settings.update(overrides)
     return settings
@@ -345,7 +363,11 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One torchrun job of 4 DDP processes, observed three times in turn: with
     rank_policy="rank0", "all", and Ranks([1, 3])."""
     root = tmp_path_factory.mktemp("ddp4")
-    phases = [phase("rank0", "rank0"), phase("all", "all"), phase("some", [1, 3])]
+    phases = [
+        phase("rank0", "rank0"),
+        phase("all", "all", signals=list(SIGNALS)),
+        phase("some", [1, 3]),
+    ]
     cfg = job_config(root, phases)
     torchrun(root, 4, cfg)
     return root
@@ -414,6 +436,55 @@ def test_all_ranks_ddp_four_processes(ddp_job: Path) -> None:
     assert (grads["spread"] > 0).all()
 
 
+def reference_profile(values: np.ndarray) -> dict[str, float]:
+    """The default profile of a tensor with only finite entries, numpy float64."""
+    flat = values.astype(np.float64).ravel()
+    quartiles = np.percentile(flat, [25, 50, 75])
+    return {
+        "mean": flat.mean(),
+        "std": flat.std(),
+        "min": flat.min(),
+        "max": flat.max(),
+        "p25": quartiles[0],
+        "p50": quartiles[1],
+        "p75": quartiles[2],
+        "zero_fraction": float(np.mean(flat == 0)),
+        "nonfinite_fraction": 0.0,
+    }
+
+
+SIGNAL_PARTS = (
+    ("parameter", "value"),
+    ("parameter_gradient", "grad"),
+    ("parameter_update", "update"),
+)
+
+
+def test_ddp_parameters_are_replicas_with_averaged_gradients(ddp_job: Path) -> None:
+    """The "all" phase also recorded the parameter signals. DDP parameters are replicas: every
+    rank measures the same values, the same (all-reduced) gradient and the same update, each
+    equal to the whole tensor the rank itself saw; the output gradients stay per rank."""
+    out = ddp_job / "all"
+    for rank in range(4):
+        history = pl.read_parquet(out / f"rank-00{rank}" / "history.parquet")
+        assert set(history["signal"].unique()) == set(SIGNALS)
+        for name, part in SIGNAL_PARTS:
+            reference = np.load(ddp_job / "side" / f"all-rank{rank}-weight-{part}.npy")
+            rows = history.filter(
+                (pl.col("layer") == "2")
+                & (pl.col("tensor_path") == "weight")
+                & (pl.col("signal") == name)
+                & (pl.col("sample_id") == 0)
+            )
+            got = dict(zip(rows["metric"].to_list(), rows["value"].to_list(), strict=True))
+            for metric, value in reference_profile(reference).items():
+                assert got[metric] == pytest.approx(value, rel=1e-5, abs=1e-8), (rank, name)
+    table = compare_ranks(out, signal=list(PARAMETER_SIGNALS))
+    assert table.height == 3 * 4 * 9 * STEPS  # 3 signals x 4 tensors x 9 metrics x samples
+    assert (table["n_ranks"] == 4).all()
+    assert (table["spread"].fill_null(0.0) == 0.0).all(), "DDP replicas differ across ranks"
+
+
 def test_explicit_ranks_observe_only_those_ranks(ddp_job: Path) -> None:
     out = ddp_job / "some"
     assert sorted(p.name for p in out.iterdir()) == ["rank-001", "rank-003"]
@@ -447,7 +518,7 @@ def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[i
     root = tmp_path_factory.mktemp("job2")
     phases = [phase("wrapped", "all", mode="wrapped")]
     if not _fully_shard_missing():
-        phases.append(phase("fsdp", "all", mode="fsdp2"))
+        phases.append(phase("fsdp", "all", mode="fsdp2", signals=list(SIGNALS)))
     phases.append(phase("killed", "all", buffer_rows=64, kill_rank=1, min_parts=2))
     cfg = job_config(root, phases)
     cfg["fully_shard"] = _fully_shard_missing() is None
@@ -497,6 +568,27 @@ def test_fsdp2_fully_shard_all_ranks(two_rank_job: tuple[Path, list[int]]) -> No
     combined = scan_ranks(out).collect()
     assert sorted(combined["rank"].unique().to_list()) == [0, 1]
     assert combined.height == histories[0].height + histories[1].height
+
+    # Each rank measured its own shard of every parameter: rows of layer 2's weight carry the
+    # local shape (2 of its 4 rows) and the placement; combined, they are the whole parameter.
+    local = combined.filter((pl.col("layer") == "2") & (pl.col("tensor_path") == "weight@S(0)"))
+    assert set(local["signal"].unique()) == set(PARAMETER_SIGNALS)
+    assert {tuple(shape) for shape in local["shape"].to_list()} == {(2, 16)}
+    whole = combine_shards(out).filter(
+        (pl.col("layer") == "2") & (pl.col("parameter") == "weight") & (pl.col("sample_id") == 0)
+    )
+    assert whole.height == 3 * 9
+    for name, part in SIGNAL_PARTS:
+        reference = reference_profile(np.load(root / "side" / f"fsdp-rank0-weight-{part}.npy"))
+        for row in whole.filter(pl.col("signal") == name).iter_rows(named=True):
+            assert (row["shape"], row["ranks"]) == ([4, 16], [0, 1])
+            if row["metric"] in ("p25", "p50", "p75"):
+                assert row["value"] is None
+                assert row["unavailable_reason"].startswith("not combinable")
+            else:
+                assert row["value"] == pytest.approx(
+                    reference[row["metric"]], rel=1e-5, abs=1e-8
+                ), (name, row["metric"])
 
 
 def test_killed_rank_leaves_others_complete_and_its_parts_consolidatable(

@@ -18,6 +18,7 @@ PACKAGES = {
     "ti_core": "ti-core",
     "ti_io": "ti-io",
     "ti_dist": "ti-dist",
+    "ti_trainers": "ti-trainers",
     "ti_examples": "ti-examples",
 }
 ALLOWED = {
@@ -25,7 +26,8 @@ ALLOWED = {
     "ti_core": {"ti_schema"},
     "ti_io": {"ti_schema"},
     "ti_dist": {"ti_schema"},
-    "ti_examples": {"ti_schema", "ti_core", "ti_io"},
+    "ti_trainers": {"ti_schema", "ti_core", "ti_io"},
+    "ti_examples": {"ti_schema", "ti_core", "ti_io", "ti_trainers"},
 }
 """Sibling packages each package's sources may import (a subset of what it declares)."""
 

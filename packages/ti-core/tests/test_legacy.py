@@ -307,3 +307,34 @@ def test_record_types_are_torchinstruments_own_when_installed() -> None:
         assert types.__name__ == "ti_core.legacy"
     else:
         assert types is installed
+
+
+def test_a_0_8_0_sink_receives_only_the_signals_0_8_0_had() -> None:
+    """With the parameter signals on, the MemorySink gets their rows; the 0.8.0 sink, which
+    has no place for them, gets exactly the outputs and output gradients, as before."""
+    model = Net()
+    legacy, memory = CollectingSink(), MemorySink()
+    with pytest.warns(FutureWarning, match=r"implement ti_core\.Sink"):
+        inject_observer(
+            model,
+            output_dir=None,
+            sink=[legacy, memory],
+            sampler=AlwaysSampler(),
+            signals=("output", "output_gradient", "parameter", "parameter_gradient"),
+            histogram_selector=["lin"],
+        )
+    model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+    rows = memory.table().to_pylist()
+    assert {r["signal"] for r in rows} == {
+        "output",
+        "output_gradient",
+        "parameter",
+        "parameter_gradient",
+    }
+    assert [str(s.state) for s in legacy.samples] == ["forward_complete", "backward_observed"]
+    seen = {obs[:6] for sample in legacy.samples for obs in observations(sample)}
+    kept = [r for r in rows if r["signal"] in ("output", "output_gradient")]
+    assert len(seen) == len(kept)
+    paths = {obs[3] for obs in seen}
+    assert not any("weight" in p or "bias" in p for p in paths)

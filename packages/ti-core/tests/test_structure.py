@@ -215,7 +215,7 @@ def test_importing_ti_core_leaves_torch_dynamo_unimported() -> None:
     probe = (
         "import sys, torch, ti_core; from torch import nn; "
         "m = nn.Sequential(nn.Linear(2, 2)); s = ti_core.MemorySink(); "
-        "ti_core.inject_observer(m, output_dir=None, sink=s, sampler=ti_core.AlwaysSampler()); "
+        "ti_core.inject_observer(m, sink=s, output_dir=None, sampler=ti_core.AlwaysSampler()); "
         "m(torch.randn(3, 2)).sum().backward(); ti_core.remove_observer(m); "
         "assert s.table().num_rows > 0; print('torch._dynamo' in sys.modules)"
     )

@@ -67,11 +67,12 @@ def write_history(path: Path, rows: Sequence[HistoryRow], *, dictionary: bool = 
     return table
 
 
-@pytest.fixture
+# Session scope: they hand out plain functions, so module-scoped fixtures can use them too.
+@pytest.fixture(scope="session")
 def rows_for() -> Callable[..., list[HistoryRow]]:
     return history_rows
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def write() -> Callable[..., pa.Table]:
     return write_history

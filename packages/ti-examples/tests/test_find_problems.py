@@ -1,7 +1,9 @@
 """The main job: every fault is visible in its broken run's artifacts and absent elsewhere.
 
 Assertions read history.parquet with Polars directly (not through ti_examples.evidence), so
-they check what a user finds on disk.
+they check what a user finds on disk; the derived parameter series (weight norm,
+update-to-weight ratio) are read through the evidence frame and checked against torch's own
+norms of the weights.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ti_examples.experiments import ProblemResult
 from ti_examples.plotting import draw_comparison
 from ti_examples.problems import PROBLEMS, VARIANTS
 from ti_examples.training import ExperimentConfig, make_batches, train
+from ti_io import compare_runs
 from ti_io.cli import main as ti_main
 from ti_schema.testing import assert_artifact_dir_conforms
 
@@ -148,6 +151,61 @@ def test_scale_growth(demo: tuple[Path, list[ProblemResult]]) -> None:
             assert growth > 1e3, f"output std should grow by orders of magnitude, got {growth}"
         else:
             assert growth < 10, f"{variant}: growth {growth}"
+
+
+def test_scale_growth_parameters_show_the_learning_rate(
+    demo: tuple[Path, list[ProblemResult]],
+) -> None:
+    """fc2's update-to-weight ratio jumps at the onset sample itself (each step moves the
+    weights by about their own size), samples before the output's scale visibly grows; its
+    weight norm then grows with the output. The baseline and the clipped run stay small."""
+    _, results = demo
+    series = next(r for r in results if r.problem.name == "scale_growth").series
+    for variant in VARIANTS:
+        frame = series.filter(pl.col("variant") == variant)
+        ratio = frame.filter(pl.col("metric") == "update_to_weight").sort("sample_id")
+        norm = frame.filter(pl.col("metric") == "l2_norm").sort("sample_id")
+        assert ratio["value"].null_count() == norm["value"].null_count() == 0
+        before, after = split(ratio)
+        norm_before, norm_after = split(norm)
+        if variant == "broken":
+            onset = ratio.filter(pl.col("forward_index") == ONSET_STEP)["value"].item()
+            # the learning rate went up 18x between the last healthy sample and this one
+            assert onset > 10 * before[-1], f"ratio {onset} at the onset, before {before}"
+            assert np.median(after) > 0.5
+            assert norm_after.max() > 1e3 * np.median(norm_before)
+        else:
+            assert after.max() < 0.2, f"{variant}: update-to-weight {after.max()}"
+            assert norm_after.max() < 2 * np.median(norm_before)
+
+
+def test_scale_growth_weight_norm_and_ratio_equal_torch(
+    demo: tuple[Path, list[ProblemResult]],
+) -> None:
+    """The evidence series, derived from the recorded mean, std and shape, equal torch's own
+    norms of fc2.weight at each sampled forward and of the step that followed it."""
+    _, results = demo
+    result = next(r for r in results if r.problem.name == "scale_growth")
+    problem = result.problem
+    torch.manual_seed(CONFIG.seed)
+    model = problem.build_model("broken")
+    weights: list[torch.Tensor] = []
+    model.fc2.register_forward_pre_hook(  # type: ignore[union-attr]
+        lambda m, args: weights.append(m.weight.detach().double().clone())
+    )
+    train(problem, "broken", model, CONFIG)
+    weights.append(model.fc2.weight.detach().double().clone())  # type: ignore[union-attr]
+    frame = result.series.filter(pl.col("variant") == "broken")
+    for metric in ("l2_norm", "update_to_weight"):
+        rows = frame.filter(pl.col("metric") == metric).sort("sample_id")
+        for index, value in zip(rows["forward_index"], rows["value"], strict=True):
+            norm = float(torch.linalg.vector_norm(weights[index]))
+            if metric == "update_to_weight":
+                step = float(torch.linalg.vector_norm(weights[index + 1] - weights[index]))
+                expected = step / norm
+            else:
+                expected = norm
+            assert value == pytest.approx(expected, rel=1e-5), (metric, index)
 
 
 def test_nonfinite(demo: tuple[Path, list[ProblemResult]]) -> None:
@@ -302,3 +360,47 @@ def test_prints_evidence_tables(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert len(trunk_broken) == 1
     assert "0/1" in trunk_broken[0]
     assert f"Artifacts of 3 runs under {tmp_path / 'out'}" in printed
+
+
+def test_each_fault_shows_in_its_compare_table(demo: tuple[Path, list[ProblemResult]]) -> None:
+    """``ti_io.compare_runs`` (what ``ti compare`` prints) on each experiment's three runs, with
+    the onset at the first faulty sample: the broken run's row carries the fault, the others'
+    do not."""
+    output, _ = demo
+    onset = ONSET_STEP // SAMPLE_EVERY  # sample ids 0..3 are healthy
+
+    def rows(problem: str, layer: str, signal: str, metric: str) -> dict[str, dict[str, object]]:
+        table = compare_runs(
+            {variant: output / problem / variant for variant in VARIANTS},
+            layer=layer,
+            signal=signal,
+            metric=metric,
+            onset=onset,
+        ).filter(pl.col("call_index") == 0, pl.col("tensor_path") == "", pl.col("mode") == "train")
+        assert table.get_column("run").to_list() == list(VARIANTS)
+        return {row["run"]: row for row in table.iter_rows(named=True)}
+
+    dead = rows("inactive_relu", "act", "output", "zero_fraction")
+    assert dead["broken"]["after_mean"] == 1.0
+    assert all(dead[v]["after_mean"] < 0.9 for v in ("baseline", "fixed"))
+
+    saturated = rows("saturation", "fc1", "output_gradient", "std")
+    assert saturated["broken"]["after_mean"] < 0.1 * saturated["broken"]["before_mean"]
+    assert saturated["broken"]["after_ratio"] < 0.1  # against the baseline, same samples
+    assert saturated["fixed"]["after_mean"] > 0.3 * saturated["fixed"]["before_mean"]
+
+    grown = rows("scale_growth", "fc2", "output", "std")
+    assert grown["broken"]["latest_ratio"] > 1e3
+    assert grown["fixed"]["latest"] < 10 * grown["fixed"]["before_mean"]
+
+    nonfinite = rows("nonfinite", "standardize", "output", "nonfinite_fraction")
+    assert nonfinite["broken"]["after_mean"] == pytest.approx(1 / 16)
+    assert nonfinite["baseline"]["after_mean"] == nonfinite["fixed"]["after_mean"] == 0.0
+
+    detached = rows("detached", "trunk.0", "output_gradient", "std")
+    broken = detached["broken"]
+    assert broken["samples_after"] > 0
+    assert broken["measured_after"] == 0  # no gradient row after the detach, listed not dropped
+    assert broken["before_mean"] is not None
+    for variant in ("baseline", "fixed"):
+        assert detached[variant]["measured_after"] == detached[variant]["samples_after"]

@@ -40,3 +40,20 @@ def test_transformer_paths_and_artifacts(tmp_path: Path) -> None:
         (pl.col("layer") == "") & (pl.col("tensor_path") == "['logits']")
     )["shape"][0].to_list()
     assert logits_shape == [16, 16, 64]
+
+
+@pytest.mark.slow
+def test_hf_trainer_run_observed_by_the_callback(tmp_path: Path) -> None:
+    """The same model under transformers.Trainer with HFObserverCallback: artifacts in
+    <output_dir>/stats, one sample every third micro-batch, the loss falling."""
+    from ti_examples.hf_trainer_tiny import run_hf_trainer_tiny
+
+    result = run_hf_trainer_tiny(tmp_path, steps=3, accumulation=2, sample_every=2)
+    assert result.stats_dir == tmp_path / "stats"
+    assert_artifact_dir_conforms(result.stats_dir)
+    assert result.last_loss < result.first_loss
+    history = pl.read_parquet(result.stats_dir / "history.parquet")
+    # six micro-batches (three steps of two), every second one sampled
+    assert history["forward_index"].unique().sort().to_list() == [0, 2, 4]
+    assert set(history["mode"].unique()) == {"train"}
+    assert {"output", "output_gradient"} <= set(history["signal"].unique())

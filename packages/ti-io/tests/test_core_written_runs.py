@@ -22,7 +22,7 @@ import pytest
 
 from ti_io import consolidate, scan_history
 from ti_io.cli import _summary_frame, main
-from ti_schema import DEFAULT_METRICS
+from ti_schema import DEFAULT_METRICS, DEFAULT_SIGNALS, PARAMETER_SIGNALS, SIGNALS
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, RESULT_FILE, list_parts
 from ti_schema.testing import assert_artifact_dir_conforms
 
@@ -47,6 +47,11 @@ def _parts(path: Path) -> pa.Table:
 
 def test_the_committed_runs_are_what_the_tests_expect() -> None:
     assert (DATA / "finalized" / HISTORY_FILE).is_file()
+    # the finalized run (and its live copy) has every signal, the rank runs the default ones
+    assert set(_history(DATA / "finalized").column("signal").to_pylist()) == set(SIGNALS)
+    assert set(_history(DATA / "ranks" / "rank-000").column("signal").to_pylist()) == set(
+        DEFAULT_SIGNALS
+    )
     assert len(list_parts(DATA / "live" / HISTORY_PARTS)) > 1
     assert not (DATA / "live" / HISTORY_FILE).exists()
     assert (DATA / "ranks" / "rank-000" / HISTORY_FILE).is_file()
@@ -72,12 +77,15 @@ def test_the_live_parts_hold_the_finalized_rows_in_order(runs: Path) -> None:
     assert frame["value"].to_list() == final["value"].to_pylist()
 
 
-def _reference(table: pa.Table) -> dict[tuple[str, str, str], dict[str, float]]:
-    """numpy float64 reference of the summary's per-(layer, signal, metric) columns."""
-    rows = table.select(["layer", "signal", "metric", "sample_id", "value"]).to_pylist()
-    grouped: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
+def _reference(table: pa.Table) -> dict[tuple[str, str, str, str], dict[str, float]]:
+    """numpy float64 reference of the summary's per-(layer, signal, tensor path, metric)
+    columns."""
+    rows = table.select(
+        ["layer", "signal", "tensor_path", "metric", "sample_id", "value"]
+    ).to_pylist()
+    grouped: dict[tuple[str, str, str, str], list[tuple[int, float]]] = {}
     for row in rows:
-        key = (row["layer"], row["signal"], row["metric"])
+        key = (row["layer"], row["signal"], row["tensor_path"], row["metric"])
         grouped.setdefault(key, []).append((row["sample_id"], row["value"]))
     reference = {}
     for key, pairs in grouped.items():
@@ -105,7 +113,8 @@ def test_summary_matches_a_numpy_reference(runs: Path, name: str) -> None:
     frame = _summary_frame(directory, [], [])
     assert frame.height == len(expected)
     for row in frame.iter_rows(named=True):
-        want = expected[(row["layer"], row["signal"], row["metric"])]
+        path = row.get("tensor_path", "")  # a run with one tensor path shows none
+        want = expected[(row["layer"], row["signal"], path, row["metric"])]
         for column, value in want.items():
             np.testing.assert_allclose(row[column], value, rtol=1e-12, atol=1e-15, err_msg=column)
     layers = [layer["layer"] for layer in json.loads((directory / RESULT_FILE).read_text())]
@@ -148,8 +157,9 @@ def test_consolidating_the_live_run_gives_the_finalized_run(
     runs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     live, final = runs / "live", runs / "finalized"
+    parts = len(list_parts(live / HISTORY_PARTS)) + len(list_parts(live / "histograms.parts"))
     assert main(["consolidate", str(live)]) == 0  # no --force: the writer's host is not this one
-    assert "consolidated 6 parts" in capsys.readouterr().out
+    assert f"consolidated {parts} parts" in capsys.readouterr().out
     assert not (live / HISTORY_PARTS).exists()
     for name in (HISTORY_FILE, "histograms.parquet"):
         assert pq.read_table(live / name).equals(pq.read_table(final / name)), name
@@ -169,3 +179,56 @@ def test_consolidating_a_killed_rank(runs: Path) -> None:
     assert consolidate(rank).already_done
     frame = pl.read_parquet(rank / HISTORY_FILE)
     assert frame["sample_id"].unique().sort().to_list() == [0, 1, 2, 3]
+
+
+def test_parameter_signals_of_a_core_written_run(runs: Path) -> None:
+    """ti-core's parameter rows, read without torch: one tensor per Linear parameter, its
+    name as the tensor path; result.json lists them after the output signals, and the
+    TensorBoard tags of the focus layers join the name with a dot."""
+    history = pl.read_parquet(runs / "finalized" / HISTORY_FILE)
+    found = history.filter(pl.col("signal").is_in(list(PARAMETER_SIGNALS)))
+    tensors = (
+        found.select("layer", "tensor_path", "call_index").unique().sort("layer", "tensor_path")
+    )
+    assert tensors.rows() == [
+        ("encoder", "bias", 0),
+        ("encoder", "weight", 0),
+        ("head", "bias", 0),
+        ("head", "weight", 0),
+    ]
+    shapes = dict(
+        found.filter(pl.col("signal") == "parameter")
+        .select(pl.concat_str("layer", pl.lit("."), "tensor_path"), "shape")
+        .unique()
+        .iter_rows()
+    )
+    assert shapes == {
+        "encoder.weight": [8, 5],
+        "encoder.bias": [8],
+        "head.weight": [3, 8],
+        "head.bias": [3],
+    }
+    result = json.loads((runs / "finalized" / RESULT_FILE).read_text())
+    encoder = next(r for r in result if r["layer"] == "encoder")
+    order = [(t["signal"], t["tensor_path"]) for t in encoder["tensors"]]
+    assert order == [
+        ("output", ""),
+        ("output_gradient", ""),
+        ("parameter", "bias"),
+        ("parameter", "weight"),
+        ("parameter_gradient", "bias"),
+        ("parameter_gradient", "weight"),
+        ("parameter_update", "bias"),
+        ("parameter_update", "weight"),
+    ]
+    assert encoder["tensors"][-1]["statistics"]["std"]["observations"] == 4
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((runs / "finalized" / "tensorboard").rglob("events.out.tfevents.*"))
+    accumulator = EventAccumulator(str(events[0].parent), size_guidance={"histograms": 0})
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["histograms"])
+    assert "head/call0/parameter_update.weight" in tags
+    assert "encoder/call0/parameter_gradient.bias" in tags
+    steps = [e.step for e in accumulator.Histograms("head/call0/parameter.weight")]
+    assert steps == [0, 1, 2, 3]

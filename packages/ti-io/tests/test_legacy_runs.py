@@ -258,21 +258,23 @@ def test_a_bad_or_foreign_directory_is_refused_and_nothing_is_written(
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "keep.txt").write_text("mine")
+    # (source, target, what upgrade() says, the command's exit code and words): a path that
+    # does not exist is a usage error (2), a refused directory exits 1.
     cases = [
-        (tmp_path / "missing", tmp_path / "out", "is not a directory"),
-        (foreign, tmp_path / "out", "holds no torchinstruments 0.8.0 run"),
-        (current, tmp_path / "out", "already a run of the current contract"),
-        (old, occupied, "already exists and is not empty"),
-        (old, old / "inside", "inside"),
+        (tmp_path / "missing", tmp_path / "out", "is not a directory", 2, "no such file"),
+        (foreign, tmp_path / "out", "holds no torchinstruments 0.8.0 run", 1, None),
+        (current, tmp_path / "out", "already a run of the current contract", 1, None),
+        (old, occupied, "already exists and is not empty", 1, None),
+        (old, old / "inside", "inside", 1, None),
     ]
     listing = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    for source, target, message in cases:
+    for source, target, message, code, said in cases:
         with pytest.raises(UpgradeError, match=message):
             upgrade(source, target)
-        assert main(["upgrade", str(source), str(target)]) == 1
+        assert main(["upgrade", str(source), str(target)]) == code
         _, err = capsys.readouterr()
         assert len(err.strip().splitlines()) == 1
-        assert message in err
+        assert (said or message) in err
         assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == listing
 
     # a 0.8.0 file that breaks midway: the error surfaces, and no partial run is left behind
@@ -283,3 +285,25 @@ def test_a_bad_or_foreign_directory_is_refused_and_nothing_is_written(
     with pytest.raises(UpgradeError, match=r"cannot read .*00000002\.parquet as Parquet"):
         upgrade(broken, tmp_path / "broken-new")
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == listing
+
+
+def test_upgrade_reports_progress_in_history_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``upgrade(progress=...)`` counts converted history rows up to the total of every rank's
+    files; ``ti upgrade --progress`` draws it on stderr, never on stdout."""
+    old = tmp_path / "old"
+    rows = [write_legacy_run(old / f"rank-00{r}", samples=6, interrupted=r == 1) for r in (0, 1)]
+    total = sum(t.num_rows for t in rows)
+    seen: list[tuple[int, int]] = []
+    upgrade(old, tmp_path / "new", progress=lambda done, of: seen.append((done, of)))
+    assert seen[-1] == (total, total)
+    assert all(of == total for _, of in seen)
+    assert [done for done, _ in seen] == sorted({done for done, _ in seen})  # only grows
+    assert len(seen) > 2  # the interrupted rank reports part by part
+
+    assert main(["upgrade", str(old), str(tmp_path / "again"), "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "upgrading" in err
+    assert "upgrading" not in out
+    assert out.count("upgraded the torchinstruments 0.8.0") == 2

@@ -35,6 +35,25 @@ def test_tags_escape_names_reversibly(name: str) -> None:
     assert not set(tag) & set("<>&\"'`\\")
 
 
+@pytest.mark.parametrize(
+    ("signal", "path", "tag"),
+    [
+        ("parameter", "weight", "fc/call0/parameter.weight"),
+        ("parameter_update", "in_proj_weight", "fc/call0/parameter_update.in_proj_weight"),
+        ("parameter_gradient", "weight@S(0)", "fc/call0/parameter_gradient.weight@S(0)"),
+        ("output", "[0]", "fc/call0/output[0]"),
+        ("output_gradient", ".hidden", "fc/call0/output_gradient.hidden"),
+        ("output", "", "fc/call0/output"),
+    ],
+)
+def test_a_parameter_name_is_joined_with_a_dot(signal: str, path: str, tag: str) -> None:
+    """Output paths are accessors that start with [ or . already; a parameter's name is not,
+    so the tag joins it with a dot (still two slashes: TensorBoard groups by layer)."""
+    assert histogram_tag("fc", 0, signal, path) == tag
+    weird = histogram_tag("fc", 0, "parameter", "w/eight")
+    assert weird == "fc/call0/parameter.w%2Feight"
+
+
 def test_root_tag_cannot_collide() -> None:
     assert histogram_tag("", 0, "output", "") == f"{ROOT_TAG}/call0/output"
     assert escape_tag_part(ROOT_TAG) != ROOT_TAG  # a module named "%root" is escaped

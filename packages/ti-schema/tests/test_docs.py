@@ -64,3 +64,9 @@ def test_documented_version_and_kinds_are_current() -> None:
     assert f"(now `{ti_schema.SCHEMA_VERSION}`)" in text
     for kind in ti_schema.MISMATCH_KINDS:
         assert f"`{kind}`" in text
+
+
+def test_signals_table_matches_the_definitions() -> None:
+    expected = [[f"`{s}`", ti_schema.SIGNAL_DEFINITIONS[s]] for s in ti_schema.SIGNALS]
+    assert _table("signals") == expected
+    assert list(ti_schema.SIGNAL_DEFINITIONS) == list(ti_schema.SIGNALS)

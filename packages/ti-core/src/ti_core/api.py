@@ -18,6 +18,7 @@ from torch import nn
 
 from ti_core import legacy, preemption, resolve
 from ti_core.capture.hooks import scrub_copied_hooks
+from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.emission.sinks import read_capabilities
 from ti_core.errors import ErrorPolicy, ErrorPolicyName, ObserverAlreadyAttachedError
 from ti_core.observer import Observer
@@ -32,7 +33,7 @@ from ti_core.sampling import (
 )
 from ti_core.selection import Selector, select_modules, unwrap_model
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
-from ti_schema import histogram_schema, history_schema
+from ti_schema import DEFAULT_SIGNALS, SIGNALS, Signal, histogram_schema, history_schema
 
 
 class _DefaultOutputDir(str):
@@ -130,6 +131,27 @@ def _resolve_sinks(
     ]
 
 
+def _resolve_signals(signals: Collection[Signal]) -> tuple[Signal, ...]:
+    """The signals to record, in contract order; a clear error for anything else."""
+    if isinstance(signals, str | bytes) or not isinstance(signals, Collection):
+        raise TypeError(
+            f"signals= must be a collection of signal names, e.g. ('output', 'output_gradient', "
+            f"'parameter_update'), got {signals!r}"
+        )
+    names = list(signals)
+    unknown = [n for n in names if n not in SIGNALS]
+    if unknown:
+        raise ValueError(
+            f"signals= names unknown signal(s) {unknown!r}; choose from {list(SIGNALS)}"
+        )
+    if not names:
+        raise ValueError(
+            "signals= is empty, so nothing would be recorded; pass e.g. "
+            f"signals={DEFAULT_SIGNALS!r} (the default)"
+        )
+    return tuple(s for s in SIGNALS if s in names)
+
+
 def _resolve_sampler(sampler: Sampler | None, interval: timedelta | float) -> Sampler:
     if sampler is None:
         return TimedSampler(interval)
@@ -160,9 +182,18 @@ def inject_observer(
     rank_policy: str | RankPolicy = "rank0",
     error_policy: ErrorPolicyName = "warn",
     capture_direct_forwards: bool = False,
+    signals: Collection[Signal] = DEFAULT_SIGNALS,
+    update_budget_bytes: int = DEFAULT_UPDATE_BUDGET_BYTES,
     handle_sigterm: bool = True,
 ) -> None:
     """Attach an observer that records selected modules' outputs and output gradients.
+
+    ``signals`` chooses what is recorded (default ``("output", "output_gradient")``); the
+    opt-in ``"parameter"``, ``"parameter_gradient"`` and ``"parameter_update"`` measure the
+    parameters each selected module owns directly, their ``.grad`` after the sampled forward's
+    backward, and the change the next optimizer step makes to them (docs/capture.md).
+    ``update_budget_bytes`` bounds the copies that measuring updates needs (default 256 MiB);
+    parameters beyond it get unavailable rows naming it.
 
     Sampling is decided per root forward (``sampler``; default ``TimedSampler(interval)``).
     Records go to the directory sink of ti-io for ``output_dir`` (default ``"stats"``) and to
@@ -197,6 +228,15 @@ def inject_observer(
         raise TypeError(
             f"handle_sigterm= must be True or False, got {handle_sigterm!r} (False leaves "
             "SIGTERM to a program that manages its signals itself)"
+        )
+    chosen_signals = _resolve_signals(signals)
+    if isinstance(update_budget_bytes, bool) or not isinstance(update_budget_bytes, int):
+        raise TypeError(
+            f"update_budget_bytes= must be an int >= 0 (bytes), got {update_budget_bytes!r}"
+        )
+    if update_budget_bytes < 0:
+        raise ValueError(
+            f"update_budget_bytes={update_budget_bytes} must be >= 0 (0 measures no update)"
         )
     if isinstance(max_histogram_modules, bool) or not isinstance(max_histogram_modules, int):
         raise TypeError(
@@ -240,6 +280,12 @@ def inject_observer(
             "max_histogram_modules": str(max_histogram_modules),
             "selector": repr(selector) if selector is not None else "leaf_modules()",
             "rank_policy": repr(rank_policy),
+            "signals": ",".join(chosen_signals),
+            **(
+                {"update_budget_bytes": str(update_budget_bytes)}
+                if "parameter_update" in chosen_signals
+                else {}
+            ),
         },
     )
     columns = RunColumns(
@@ -277,6 +323,8 @@ def inject_observer(
         columns=columns,
         capabilities=capabilities,
         background=_background_allowed(plan, capabilities, errors),
+        signals=chosen_signals,
+        update_budget_bytes=update_budget_bytes,
     )
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)
@@ -338,6 +386,8 @@ class ObserverOptions(TypedDict, total=False):
     rank_policy: str | RankPolicy
     error_policy: ErrorPolicyName
     capture_direct_forwards: bool
+    signals: Collection[Signal]
+    update_budget_bytes: int
     handle_sigterm: bool
 
 

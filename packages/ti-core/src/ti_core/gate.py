@@ -2,7 +2,10 @@
 
 One gate per observer. It is the :class:`~ti_core.capture.hooks.CaptureTarget` every forward
 hook calls, and the one place that installs and removes hooks: it keeps the handle (or undo
-function) of each, so removal can never miss one.
+function) of each, so removal can never miss one. With the parameter signals on, that includes
+torch's global optimizer step hooks (installed only while a sampled forward waits for its
+optimizer step) and, through :class:`~ti_core.capture.parameters.ParameterCapture`, the
+post-accumulate-grad hooks of a sample's parameters.
 
 State (:class:`GateState`, one value per gate, changed under its lock)::
 
@@ -16,6 +19,9 @@ State (:class:`GateState`, one value per gate, changed under its lock)::
 - ``CAPTURING``: per-module capture (forward hooks, or ``forward`` overrides) is installed;
   samples may be in flight on several threads (:attr:`Gate.in_flight`).
 - ``CLOSED``: every hook removed; nothing is recorded again (late gradients are dropped).
+
+Independently of the state, while an update window waits to be closed
+(:attr:`ParameterCapture.waiting`), the next outermost root forward closes it first.
 
 Per-thread state (nesting depth of root calls, the frame of the outermost one, this thread's
 current :class:`~ti_core.capture.sample.Sample`) lives in a ``threading.local``: each thread's
@@ -36,7 +42,9 @@ from torch import nn
 
 from ti_core.capture.context import in_backward
 from ti_core.capture.hooks import CallHook, RootPostHook, RootPreHook, install_forward_override
+from ti_core.capture.parameters import ParameterCapture
 from ti_core.capture.sample import Sample
+from ti_core.capture.updates import OptimizerHook
 from ti_core.errors import ErrorPolicy
 from ti_core.sampling import Sampler
 
@@ -95,6 +103,7 @@ class Gate:
         errors: ErrorPolicy,
         capture_direct_forwards: bool,
         owner: SampleOwner,
+        parameters: ParameterCapture | None = None,
     ) -> None:
         self._modules = [weakref.ref(m) for m in modules]
         self._root_layer = root_layer
@@ -112,6 +121,13 @@ class Gate:
         # Every hook this gate installed, as the function that removes it exactly.
         self._root_removers: list[Callable[[], None]] = []
         self._capture_removers: list[Callable[[], None]] = []
+        # The parameter signals: their hooks, and torch's global optimizer step hooks (process
+        # wide, so under their own lock; installed while an update window is open).
+        self._parameters = parameters
+        self._optimizer_lock = threading.Lock()
+        self._optimizer_removers: list[Callable[[], None]] = []
+        if parameters is not None:
+            parameters.bind(self)
 
     # ------------------------------------------------------------------ observable state
 
@@ -162,6 +178,38 @@ class Gate:
             removers, self._root_removers = self._root_removers, []
             for remove in removers:
                 remove()
+        self.remove_optimizer_hooks()
+        if self._parameters is not None:
+            self._parameters.close_hooks()
+
+    def install_optimizer_hooks(self, pre: OptimizerHook, post: OptimizerHook) -> None:
+        """Register ``pre`` / ``post`` as torch's global optimizer step pre- and post-hooks
+        (every optimizer of the process runs them); a no-op when installed or closed."""
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        with self._optimizer_lock:
+            if self._optimizer_removers or self._state is _CLOSED:
+                return
+            self._optimizer_removers = [
+                register_optimizer_step_pre_hook(pre).remove,
+                register_optimizer_step_post_hook(post).remove,
+            ]
+
+    def remove_optimizer_hooks(self) -> None:
+        """Remove the global optimizer step hooks (never from inside one: torch is iterating
+        them then)."""
+        with self._optimizer_lock:
+            removers, self._optimizer_removers = self._optimizer_removers, []
+        for remove in removers:
+            remove()
+
+    @property
+    def optimizer_hooks_installed(self) -> bool:
+        """Whether this gate's global optimizer step hooks are registered now."""
+        return bool(self._optimizer_removers)
 
     def _install_capture_locked(self) -> None:
         try:
@@ -208,6 +256,12 @@ class Gate:
             return
         if self._errors.has_deferred:
             self._errors.report_deferred()
+        parameters = self._parameters
+        if parameters is not None and parameters.waiting:
+            try:
+                parameters.root_forward()
+            except Exception as error:
+                self._errors.handle("parameter update capture", error)
         index = next(self._counter)
         try:
             if not self._sampler.should_sample(index):

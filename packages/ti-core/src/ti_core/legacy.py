@@ -671,9 +671,15 @@ class LegacySink:
         return f"LegacySink({self.sink!r})"
 
 
+_LEGACY_SIGNALS: Final[frozenset[str]] = frozenset({"output", "output_gradient"})
+"""What a 0.8.0 sink can represent (module outputs and their gradients); rows of the parameter
+signals are not given to it."""
+
+
 def _grouped(batch: pa.RecordBatch) -> dict[tuple[int, str], list[dict[str, Any]]]:
-    """Rows of ``batch`` by (sample_id, signal), in order."""
+    """Rows of ``batch`` by (sample_id, signal), in order; only the signals 0.8.0 had."""
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for row in batch.to_pylist():
-        groups.setdefault((row["sample_id"], row["signal"]), []).append(row)
+        if row["signal"] in _LEGACY_SIGNALS:
+            groups.setdefault((row["sample_id"], row["signal"]), []).append(row)
     return groups

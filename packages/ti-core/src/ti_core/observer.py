@@ -2,7 +2,8 @@
 
 Lifecycle: built and attached by ``inject_observer`` (sinks already open), detached by
 ``remove_observer``, which closes, in this order, the gate (every hook and override removed),
-the emitter (every queued signal written) and the sinks (each closed once). In between, the
+the parameter update windows still open (their unavailable rows emitted), the emitter (every
+queued signal written) and the sinks (each closed once). In between, the
 gate (:mod:`ti_core.gate`) decides which root forwards are sampled and calls back here to start
 and end samples; each ended signal (a sample's outputs, or the gradients one backward delivered
 to it) goes to the emitter (:mod:`ti_core.emission`). ``observer_of(model)`` returns it.
@@ -12,23 +13,27 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
 from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, TensorBatch
 from ti_core.capture.gradients import GradientState, GradientTarget
-from ti_core.capture.sample import Sample
+from ti_core.capture.parameter_target import ParameterTarget
+from ti_core.capture.parameters import ParameterCapture
+from ti_core.capture.sample import Sample, as_gaps
 from ti_core.capture.snapshots import SnapshotPool
+from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.emission.emitters import BackgroundEmitter, Emitter, InlineEmitter
 from ti_core.emission.sinks import SinkFanout
 from ti_core.emission.writer import EndedSignal, SignalWriter
 from ti_core.errors import ErrorPolicy
 from ti_core.gate import Gate, GateState
-from ti_core.records import RunColumns
+from ti_core.records import Entry, RunColumns, SignalName
 from ti_core.reduction.plan import ReductionPlan
 from ti_core.sampling import Sampler
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
+from ti_schema import DEFAULT_SIGNALS, PARAMETER_SIGNALS
 
 
 class Observer:
@@ -49,8 +54,12 @@ class Observer:
         capture_direct_forwards: bool,
         columns: RunColumns,
         background: bool = False,
+        signals: Collection[str] = DEFAULT_SIGNALS,
+        update_budget_bytes: int = DEFAULT_UPDATE_BUDGET_BYTES,
     ) -> None:
         self.run = run
+        self.signals = frozenset(signals)
+        """The signals this observer records (``inject_observer(signals=)``)."""
         self._errors = errors
         self._plan = plan
         self._focus = frozenset(focus)
@@ -68,6 +77,14 @@ class Observer:
             if background
             else InlineEmitter(writer)
         )
+        self._self_ref: weakref.ref[GradientTarget] = weakref.ref(self)
+        self.parameters: ParameterCapture | None = None
+        """The parameter signals' catalog, update tracker and hooks (None when they are off)."""
+        if self.signals & set(PARAMETER_SIGNALS):
+            target: weakref.ref[ParameterTarget] = weakref.ref(self)
+            self.parameters = ParameterCapture(
+                modules, tuple(self.signals), target, update_budget_bytes
+            )
         self.gate = Gate(
             modules=modules,
             root_layer=next((i for i, m in enumerate(modules) if m is root), None),
@@ -75,9 +92,9 @@ class Observer:
             errors=errors,
             capture_direct_forwards=capture_direct_forwards,
             owner=self,
+            parameters=self.parameters,
         )
         """Sampling decisions and every hook of this observer."""
-        self._self_ref: weakref.ref[GradientTarget] = weakref.ref(self)
 
     # Copies of a model (deepcopy, pickle, torch.save) carry no observer: this becomes None.
     def __reduce__(self) -> tuple[type[None], tuple[()]]:
@@ -129,6 +146,15 @@ class Observer:
         """Remove every hook and override, write what is queued, close every sink once;
         return the close failures (for the caller to report once the model is clean)."""
         self.gate.close()
+        if self.parameters is not None:
+            for window, gaps in self.parameters.flush():
+                self._emit_parameters(
+                    "parameter_update",
+                    window.sample_id,
+                    window.forward_index,
+                    self.new_batch(),
+                    gaps,
+                )
         self._emitter.close()  # writes every queued signal first: nothing measured is lost
         if self._errors.has_deferred:
             self._errors.report_deferred()
@@ -137,15 +163,43 @@ class Observer:
     # ------------------------------------------------------------------ SampleOwner (the gate)
 
     def start_sample(self, sample_id: int, forward_index: int) -> Sample:
-        return Sample(sample_id, forward_index, self.new_batch(), self._self_ref)
+        signals = self.signals
+        parameters = None
+        if self.parameters is not None:
+            values = self.new_batch() if "parameter" in signals else None
+            parameters = self.parameters.start(sample_id, forward_index, values)
+        return Sample(
+            sample_id,
+            forward_index,
+            self.new_batch(),
+            self._self_ref,
+            outputs="output" in signals,
+            output_gradients="output_gradient" in signals,
+            parameters=parameters,
+        )
 
     def end_forward(self, sample: Sample) -> None:
         sample.forward_done()
-        self._emitter.emit(
-            EndedSignal(
-                "output", sample.sample_id, sample.forward_index, sample.forward, sample.gaps
+        if sample.outputs or sample.gaps:
+            # without the output signal the forward rows exist only for the gradients to
+            # derive their identity from: they are not emitted
+            batch = sample.forward if sample.outputs else self.new_batch()
+            self._emitter.emit(
+                EndedSignal("output", sample.sample_id, sample.forward_index, batch, sample.gaps)
             )
-        )
+        if sample.parameters is not None:
+            values, gaps = sample.parameters.forward_done()
+            if values is not None or gaps:
+                self._emitter.emit(
+                    EndedSignal(
+                        "parameter",
+                        sample.sample_id,
+                        sample.forward_index,
+                        values if values is not None else self.new_batch(),
+                        as_gaps(gaps),
+                        gap_signal="parameter_gradient",
+                    )
+                )
 
     # ------------------------------------------------------------------ GradientTarget
 
@@ -160,6 +214,35 @@ class Observer:
             )
         except Exception as error:
             self._errors.handle("gradient emission", error)
+
+    # ------------------------------------------------------------------ ParameterTarget
+
+    def finish_parameters(
+        self,
+        signal: SignalName,
+        sample_id: int,
+        forward_index: int,
+        batch: TensorBatch,
+        gaps: Sequence[tuple[Entry, str]],
+    ) -> None:
+        """A parameter gradient read at the end of a backward, or an optimizer step's updates
+        (or the reasons they are missing): emit them."""
+        try:
+            self._emit_parameters(signal, sample_id, forward_index, batch, gaps)
+        except Exception as error:
+            self._errors.handle(f"{signal.replace('_', ' ')} emission", error)
+
+    def _emit_parameters(
+        self,
+        signal: SignalName,
+        sample_id: int,
+        forward_index: int,
+        batch: TensorBatch,
+        gaps: Sequence[tuple[Entry, str]],
+    ) -> None:
+        self._emitter.emit(
+            EndedSignal(signal, sample_id, forward_index, batch, as_gaps(gaps), gap_signal=signal)
+        )
 
 
 __all__ = ["Observer"]

@@ -20,7 +20,9 @@ import pyarrow as pa
 from ti_core.reduction import layout
 from ti_core.reduction.histograms import HistogramData, HistogramRows, single_value_limit
 
-SignalName = Literal["output", "output_gradient"]
+SignalName = Literal[
+    "output", "output_gradient", "parameter", "parameter_gradient", "parameter_update"
+]
 """Values of the ``signal`` column (``ti_schema.SIGNALS``)."""
 
 

@@ -2,8 +2,8 @@
 
 ``rank_policy="rank0"`` (the default of ``ti_core.inject_observer``) and ``rank_policy="all"``
 resolve to :class:`Rank0Only` and :class:`AllRanks` through the ``ti.rank_policies`` entry points.
-The readers (``scan_ranks``, ``compare_ranks``, ...) import Polars on first use, so resolving a
-policy on a training rank does not.
+The readers (``scan_ranks``, ``compare_ranks``, ``combine_shards``, ...) import Polars on first
+use, so resolving a policy on a training rank does not.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ if TYPE_CHECKING:
         find_history_sources,
         scan_ranks,
     )
+    from ti_dist.shards import combine_shards
 
 _LAZY = {
+    "combine_shards": "ti_dist.shards",
     "compare_ranks": "ti_dist.compare",
     "HistorySource": "ti_dist.reading",
     "collect_streaming": "ti_dist.reading",
@@ -39,6 +41,7 @@ __all__ = [
     "RankInfo",
     "Ranks",
     "collect_streaming",
+    "combine_shards",
     "compare_ranks",
     "detect_rank",
     "find_history_sources",

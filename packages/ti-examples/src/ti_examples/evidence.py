@@ -21,6 +21,7 @@ SERIES_COLUMNS = (
     "after_onset",
     "series",
     "layer",
+    "tensor_path",
     "signal",
     "metric",
     "value",
@@ -28,11 +29,67 @@ SERIES_COLUMNS = (
 """Columns of the frame behind ``comparison.csv`` and ``comparison.png``."""
 
 
+def l2_norms(history: pl.LazyFrame, signal: str) -> pl.LazyFrame:
+    """``layer``, ``tensor_path``, ``sample_id``, ``norm``: the L2 norm of each recorded tensor
+    of ``signal`` (call 0), over its finite entries, from its mean, std and shape. Over ``n``
+    entries ``sum(x**2) = n * (std**2 + mean**2)`` (std is the population std), so
+    ``||x||_2 = sqrt(n * (std**2 + mean**2))`` with ``n = prod(shape) * (1 - nonfinite_fraction)``
+    (the query index.md offers too)."""
+
+    def metric(name: str) -> pl.Expr:
+        return pl.col("value").filter(pl.col("metric") == name).first().alias(name)
+
+    numel = pl.col("shape").first().list.eval(pl.element().product()).list.first()
+    return (
+        history.filter((pl.col("signal") == signal) & (pl.col("call_index") == 0))
+        .group_by("layer", "tensor_path", "sample_id")
+        .agg(metric("mean"), metric("std"), metric("nonfinite_fraction"), numel.alias("numel"))
+        .with_columns(
+            norm=(
+                pl.col("numel")
+                * (1 - pl.col("nonfinite_fraction"))
+                * (pl.col("std") ** 2 + pl.col("mean") ** 2)
+            ).sqrt()
+        )
+        .select("layer", "tensor_path", "sample_id", "norm")
+    )
+
+
+def _panel_values(history: pl.LazyFrame, panel: Panel) -> pl.DataFrame:
+    """``sample_id``, ``value`` of one panel's series (recorded or derived)."""
+    where = (pl.col("layer") == panel.layer) & (pl.col("tensor_path") == panel.tensor_path)
+    if panel.metric == "l2_norm":
+        frame = l2_norms(history, panel.signal).filter(where)
+        return frame.select("sample_id", pl.col("norm").alias("value")).collect()
+    if panel.metric == "update_to_weight":
+        updates = l2_norms(history, "parameter_update").filter(where)
+        weights = l2_norms(history, "parameter").filter(where)
+        ratio = (pl.col("norm") / pl.col("weight_norm")).alias("value")
+        return (
+            updates.join(
+                weights.rename({"norm": "weight_norm"}), on=["layer", "tensor_path", "sample_id"]
+            )
+            .select("sample_id", ratio)
+            .collect()
+        )
+    return (
+        history.filter(
+            where
+            & (pl.col("signal") == panel.signal)
+            & (pl.col("metric") == panel.metric)
+            & (pl.col("call_index") == 0)
+        )
+        .select("sample_id", "value")
+        .collect()
+    )
+
+
 def run_series(run_dir: Path, panels: Sequence[Panel]) -> pl.DataFrame:
     """One row per (sampled forward, panel) of one run; ``value`` is null where nothing was written.
 
     Every sampled forward appears, so a gradient that never arrived is a null row (a gap in the
-    plot), never a zero. Panels read call 0 of the bare tensor output (``tensor_path == ""``).
+    plot), never a zero. Panels read call 0 of their tensor path (``""``: the bare tensor
+    output); a derived metric (``problems.DERIVED_METRICS``) is computed from the recorded ones.
     """
     history = scan_history(run_dir)
     samples = (
@@ -44,21 +101,11 @@ def run_series(run_dir: Path, panels: Sequence[Panel]) -> pl.DataFrame:
     )
     frames = []
     for panel in panels:
-        measured = (
-            history.filter(
-                (pl.col("layer") == panel.layer)
-                & (pl.col("signal") == panel.signal)
-                & (pl.col("metric") == panel.metric)
-                & (pl.col("call_index") == 0)
-                & (pl.col("tensor_path") == "")
-            )
-            .select("sample_id", "value")
-            .collect()
-        )
         frames.append(
-            samples.join(measured, on="sample_id", how="left").with_columns(
+            samples.join(_panel_values(history, panel), on="sample_id", how="left").with_columns(
                 series=pl.lit(panel.label),
                 layer=pl.lit(panel.layer),
+                tensor_path=pl.lit(panel.tensor_path),
                 signal=pl.lit(panel.signal),
                 metric=pl.lit(panel.metric),
             )

@@ -1,9 +1,9 @@
 """A real trainer on real data: Lightning on scikit-learn's bundled handwritten digits.
 
 The digits (1,797 8x8 images, shipped inside scikit-learn, no download) are split 75/25 into
-train and test sets. A small MLP trains with Lightning on the CPU while the observer writes the
-directory artifacts and, through ``TensorBoardSink``, histograms into Lightning's own
-``TensorBoardLogger``. The logger stays Lightning's: the observer never closes it.
+train and test sets. A small MLP trains with Lightning on the CPU under ti-trainers'
+``LightningObserverCallback``, which writes the directory artifacts and adds the histograms to
+Lightning's own ``TensorBoardLogger``. The logger stays Lightning's: the observer never closes it.
 
 Requires the ``lightning`` extra (``pip install "ti-examples[lightning]"``).
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
 from ti_io import TensorBoardSink
+from ti_trainers import LightningObserverCallback
 
 STATED_TEST_ACCURACY = 0.978
 """Test accuracy measured with the defaults (seed 0, 10 epochs, CPU); see examples/README.md."""
@@ -50,6 +51,11 @@ class DigitsClassifier(LightningModule):
         loss = nn.functional.cross_entropy(self(x), y)
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        accuracy = (self(x).argmax(dim=1) == y).float().mean()
+        self.log("val_accuracy", accuracy, on_epoch=True, batch_size=len(y))
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
@@ -106,13 +112,15 @@ def run_lightning_digits(
     progress_bar: bool = False,
     default_stats_dir: bool = False,
 ) -> DigitsResult:
-    """Train and test the classifier under the observer; returns the measured test accuracy.
+    """Train the classifier under the observer, then test it; returns the test accuracy.
 
     Writes ``output_dir/stats`` (directory artifacts) and ``output_dir/lightning`` (Lightning's
-    logger). Test batches run under the observer too, so the history holds ``eval`` rows.
-    ``default_stats_dir=True`` attaches as torchinstruments 0.8.0's Lightning example did,
-    ``inject_observer(model, sink=TensorBoardSink(logger))`` without ``output_dir=``: ``sink=``
-    adds to the default directory, so the artifacts go to ``stats`` in the working directory.
+    logger). ``LightningObserverCallback`` observes ``fit``, whose validation loop runs the
+    test split, so the history holds ``eval`` rows. ``default_stats_dir=True`` attaches as
+    torchinstruments 0.8.0's Lightning example did instead, ``inject_observer(model,
+    sink=TensorBoardSink(logger))`` without ``output_dir=`` around ``fit`` and ``test``:
+    ``sink=`` adds to the default directory, so the artifacts go to ``stats`` in the working
+    directory.
     """
     output_dir = Path(output_dir)
     seed_everything(seed, verbose=False)
@@ -120,12 +128,13 @@ def run_lightning_digits(
     model = DigitsClassifier()
     logger = TensorBoardLogger(save_dir=output_dir, name="lightning", version=0)
     sampler = EveryNForwardsSampler(sample_every)
+    callbacks: list[Callback] = []
     if default_stats_dir:
         stats_dir = Path.cwd() / "stats"
         inject_observer(model, sink=TensorBoardSink(logger), sampler=sampler)
     else:
         stats_dir = output_dir / "stats"
-        inject_observer(model, output_dir=stats_dir, sink=TensorBoardSink(logger), sampler=sampler)
+        callbacks.append(LightningObserverCallback(output_dir=stats_dir, sampler=sampler))
     try:
         with _quiet_lightning():
             trainer = Trainer(
@@ -133,16 +142,20 @@ def run_lightning_digits(
                 accelerator="cpu",
                 devices=1,
                 logger=logger,
+                callbacks=callbacks,
                 enable_checkpointing=False,
                 enable_progress_bar=progress_bar,
                 enable_model_summary=False,
                 deterministic=True,
                 log_every_n_steps=10,
+                num_sanity_val_steps=0,
             )
-            trainer.fit(model, train_dataloaders=train)
+            validation = None if default_stats_dir else test
+            trainer.fit(model, train_dataloaders=train, val_dataloaders=validation)
             (metrics,) = trainer.test(model, dataloaders=test, verbose=False)
     finally:
-        remove_observer(model)
+        if default_stats_dir:
+            remove_observer(model)
     logger.finalize("success")
     return DigitsResult(
         stats_dir=stats_dir,

@@ -84,7 +84,8 @@ def draw_comparison(
         )
         if panel.log_scale:
             ax.set_yscale("log")
-        heading = f"{panel.layer}: {panel.signal} {panel.metric}"
+        where = f"{panel.layer}.{panel.tensor_path}" if panel.tensor_path else panel.layer
+        heading = f"{where}: {panel.signal} {panel.metric}"
         if gaps:
             heading += "\n(gaps: " + "; ".join(gaps) + ")"
         ax.set_title(heading, fontsize=10)

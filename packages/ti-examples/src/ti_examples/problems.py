@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Final, Literal
 
 import torch
 from torch import nn
 
 from ti_examples.models import MLP, FeatureBankNet, HiddenNormMLP, StandardizedMLP
+from ti_schema import DEFAULT_SIGNALS, Signal
 
 Variant = Literal["baseline", "broken", "fixed"]
 VARIANTS: tuple[Variant, ...] = ("baseline", "broken", "fixed")
@@ -24,19 +25,33 @@ IN_FEATURES = 16
 HIDDEN = 32
 
 
+DERIVED_METRICS: Final[dict[str, str]] = {
+    "l2_norm": "L2 norm over the finite entries, from mean, std and shape: "
+    "sqrt(n * (std**2 + mean**2)), n = prod(shape) * (1 - nonfinite_fraction)",
+    "update_to_weight": "l2_norm of the parameter_update over l2_norm of the parameter, "
+    "at the same sample",
+}
+"""Series computed from recorded metrics (evidence.py), beside the metrics themselves."""
+
+
 @dataclass(frozen=True)
 class Panel:
-    """One evidence series: a metric of one signal of one layer (call 0, bare tensor output)."""
+    """One evidence series: a metric of one signal of one layer at call 0, for the tensor at
+    ``tensor_path`` (``""``: the bare output; a parameter's name for the parameter signals).
+    ``metric`` is a recorded metric or one of :data:`DERIVED_METRICS`."""
 
     layer: str
     signal: str
     metric: str
     log_scale: bool = False
+    tensor_path: str = ""
 
     @property
     def label(self) -> str:
-        """``"fc1 output_gradient std"``: the series name used in tables, CSV and plots."""
-        return f"{self.layer} {self.signal} {self.metric}"
+        """``"fc1 output_gradient std"``, ``"fc2.weight parameter l2_norm"``: the series name
+        used in tables, CSV and plots."""
+        where = f"{self.layer}.{self.tensor_path}" if self.tensor_path else self.layer
+        return f"{where} {self.signal} {self.metric}"
 
 
 class Problem(ABC):
@@ -51,6 +66,8 @@ class Problem(ABC):
     """The intervention the fixed run carries, in one sentence."""
     panels: ClassVar[tuple[Panel, ...]]
     lr: ClassVar[float] = 0.05
+    signals: ClassVar[tuple[Signal, ...]] = DEFAULT_SIGNALS
+    """What the observer records (``inject_observer(signals=)``): the panels' signals."""
 
     @abstractmethod
     def build_model(self, variant: Variant) -> nn.Module:
@@ -132,13 +149,18 @@ class ScaleGrowth(Problem):
     )
     evidence = (
         "The model output's std (fc2) grows by orders of magnitude after the onset, and the "
-        "gradient with respect to it grows with it."
+        "gradient with respect to it grows with it. The parameters say why: fc2's weight norm "
+        "grows with the output, and its update-to-weight ratio jumps at the onset (each step "
+        "moves the weights by a far larger fraction of their size)."
     )
     fix = "Gradient-norm clipping (max_norm=0.1) bounds every update, so the scale stays put."
     panels = (
         Panel("fc2", "output", "std", log_scale=True),
         Panel("fc2", "output_gradient", "std", log_scale=True),
+        Panel("fc2", "parameter", "l2_norm", log_scale=True, tensor_path="weight"),
+        Panel("fc2", "parameter_update", "update_to_weight", log_scale=True, tensor_path="weight"),
     )
+    signals = (*DEFAULT_SIGNALS, "parameter", "parameter_update")
     lr = 0.02
     lr_factor: ClassVar[float] = 18.0
     max_norm: ClassVar[float] = 0.1

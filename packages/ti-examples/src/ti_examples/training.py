@@ -98,6 +98,7 @@ def run_variant(
         model,
         output_dir=output_dir,
         sampler=EveryNForwardsSampler(config.sample_every),
+        signals=problem.signals,
     )
     try:
         return train(problem, variant, model, config)

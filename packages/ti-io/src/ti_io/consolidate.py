@@ -14,7 +14,7 @@ import contextlib
 import gc
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,7 @@ from ti_io.index_md import write_index
 from ti_io.journal import Resumption, finalize_run, read_journal, stopped
 from ti_io.legacy_layout import check_not_legacy
 from ti_io.parts import dictionary_columns
+from ti_io.progress import ProgressCallback
 from ti_io.publishing import publish_with
 from ti_io.result_json import render, write_result_json
 from ti_schema import histogram_schema, history_schema
@@ -92,7 +93,9 @@ def _read_part(path: Path, read_schema: pa.Schema) -> pa.Table:
         return source.read(use_threads=False).cast(read_schema)
 
 
-def _read_row_group(parts: list[Path], start: int, read_schema: pa.Schema) -> tuple[pa.Table, int]:
+def _read_row_group(
+    parts: list[Path], start: int, read_schema: pa.Schema, on_part: Callable[[], None]
+) -> tuple[pa.Table, int]:
     """Read ``parts[start:]`` until they hold ``ROW_GROUP_ROWS`` rows (or run out): the rows,
     with one dictionary per string column, and the index of the first part not read."""
     tables = []
@@ -103,11 +106,16 @@ def _read_row_group(parts: list[Path], start: int, read_schema: pa.Schema) -> tu
         tables.append(table)
         rows += table.num_rows
         end += 1
+        on_part()
     return pa.concat_tables(tables).unify_dictionaries(), end
 
 
 def _stream_parts(
-    parts: list[Path], final: Path, schema: pa.Schema, digest: HistoryDigest | None = None
+    parts: list[Path],
+    final: Path,
+    schema: pa.Schema,
+    digest: HistoryDigest | None = None,
+    on_part: Callable[[], None] = lambda: None,
 ) -> int:
     """Concatenate ``parts`` into ``final`` a row group at a time (folding each row group into
     ``digest``); returns the rows written.
@@ -121,7 +129,7 @@ def _stream_parts(
     Three stages overlap, each in order on its own thread (pyarrow and Polars release the
     GIL): a reader reads the parts of the next row group, a digester folds the current one
     into ``digest``, and this thread writes it. So two row groups are in memory: the current
-    one and the next.
+    one and the next. ``on_part`` is called after each part is read (progress).
     """
     rows = 0
     read_schema = _dictionary_schema(schema)
@@ -142,12 +150,12 @@ def _stream_parts(
             digested: Future[None] | None = None
             upcoming: Future[tuple[pa.Table, int]] | None = None
             if parts:
-                upcoming = reader.submit(_read_row_group, parts, 0, read_schema)
+                upcoming = reader.submit(_read_row_group, parts, 0, read_schema, on_part)
             while upcoming is not None:
                 group, end = upcoming.result()
                 upcoming = None
                 if end < len(parts):
-                    upcoming = reader.submit(_read_row_group, parts, end, read_schema)
+                    upcoming = reader.submit(_read_row_group, parts, end, read_schema, on_part)
                 if digest is not None:
                     if digested is not None:
                         digested.result()  # one row group in flight at most
@@ -192,18 +200,20 @@ def finalize(
     *,
     window: int | None = None,
     resumption: Resumption | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Consolidated:
     """Finalize ``directory``: write the final artifacts from its parts, then retire the parts,
     resuming an interrupted finalization from the step its journal records (:mod:`ti_io.journal`).
 
     ``facts``: the run's (``DirectorySink`` knows them); None reads them from the directory
     when the files must be written (``window`` overrides the run's). ``resumption``: the
-    command an error message names to finish the run.
+    command an error message names to finish the run. ``progress(done, total)`` is told each
+    part read while the files are written.
     """
 
     def write_files() -> tuple[int, int]:
         run = facts if facts is not None else read_run_facts(directory, window=window)
-        return _write_final_files(directory, run)
+        return _write_final_files(directory, run, progress)
 
     with _collector_paused():
         done = finalize_run(directory, write_files, resumption or Resumption(window=window))
@@ -216,11 +226,14 @@ def finalize(
     )
 
 
-def _write_final_files(directory: Path, facts: RunFacts) -> tuple[int, int]:
+def _write_final_files(
+    directory: Path, facts: RunFacts, progress: ProgressCallback | None = None
+) -> tuple[int, int]:
     """history.parquet, histograms.parquet, result.json and index.md from the parts (each
     published atomically); returns the rows of the two Parquet files."""
     history_parts = list_parts(directory / HISTORY_PARTS)
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
+    on_part = _part_counter(len(history_parts) + len(histogram_parts), progress)
     producer = _producer(facts)
     digest = HistoryDigest()
     # The footer records the window of result.json's window means (a contract 1.1 run fact), so
@@ -230,13 +243,14 @@ def _write_final_files(directory: Path, facts: RunFacts) -> tuple[int, int]:
         directory / HISTORY_FILE,
         history_schema(producer, window=facts.window),
         digest,
+        on_part,
     )
     # Arrow's allocator keeps the streamed row groups' memory for reuse; handing it back
     # before the aggregation keeps the peak of a 900,000-row finalization near 130 MB
     # instead of 160-200 MB (the training process gets the memory back either way).
     pa.default_memory_pool().release_unused()
     histogram_rows = _stream_parts(
-        histogram_parts, directory / HISTOGRAMS_FILE, histogram_schema(producer)
+        histogram_parts, directory / HISTOGRAMS_FILE, histogram_schema(producer), None, on_part
     )
     pa.default_memory_pool().release_unused()
     text = render(
@@ -245,6 +259,21 @@ def _write_final_files(directory: Path, facts: RunFacts) -> tuple[int, int]:
     write_result_json(directory / RESULT_FILE, text)
     write_index(directory, facts, digest.facts(histogram_rows), live=False)
     return history_rows, histogram_rows
+
+
+def _part_counter(total: int, progress: ProgressCallback | None) -> Callable[[], None]:
+    """A function to call once per part read, reporting ``progress(done, total)``."""
+    if progress is None:
+        return lambda: None
+    report = progress
+    done = 0
+
+    def on_part() -> None:
+        nonlocal done
+        done += 1
+        report(done, total)
+
+    return on_part
 
 
 def _alive(pid: int) -> bool:
@@ -262,6 +291,7 @@ def consolidate(
     *,
     history_config: HistoryConfig | None = None,
     force: bool = False,
+    progress: ProgressCallback | None = None,
 ) -> Consolidated:
     """Finish an interrupted run: what removing the observer would have done.
 
@@ -272,7 +302,8 @@ def consolidate(
     fewer rows. Idempotent: a finalized directory is left as it is (``already_done=True``).
     ``history_config``: window for result.json (default: the run's own; used when the final
     files are written). ``force``: consolidate even though the process that wrote the run still
-    seems alive (checked only before a finalization has started).
+    seems alive (checked only before a finalization has started). ``progress(done, total)`` is
+    called as each part is read (the ``ti`` command draws it).
 
     Raises NothingToConsolidateError for a directory that holds no run,
     ``ti_io.LegacyRunError`` for one written by torchinstruments 0.8.0 (see ``ti_io.upgrade``),
@@ -295,7 +326,7 @@ def consolidate(
     resumption = Resumption(force=force, window=window)
     try:
         check_not_legacy(directory, "consolidated")
-        return _consolidate(directory, window, force, resumption)
+        return _consolidate(directory, window, force, resumption, progress)
     except (FinalizationError, FinalizationBusyError, NothingToConsolidateError, RuntimeError):
         raise
     except OSError as exc:  # reading the run before finalizing started: nothing was changed
@@ -303,7 +334,11 @@ def consolidate(
 
 
 def _consolidate(
-    directory: Path, window: int | None, force: bool, resumption: Resumption
+    directory: Path,
+    window: int | None,
+    force: bool,
+    resumption: Resumption,
+    progress: ProgressCallback | None = None,
 ) -> Consolidated:
     try:
         journal = read_journal(directory)
@@ -350,4 +385,4 @@ def _consolidate(
                 "force=True (`ti consolidate --force`) if that process is not the writer any "
                 "more"
             )
-    return finalize(directory, window=window, resumption=resumption)
+    return finalize(directory, window=window, resumption=resumption, progress=progress)

@@ -21,7 +21,13 @@ import polars as pl
 
 from ti_io.facts import RunFacts, started_at_text
 from ti_io.publishing import publish_text
-from ti_schema import METRIC_DEFINITIONS, SCHEMA_VERSION, histogram_schema, history_schema
+from ti_schema import (
+    METRIC_DEFINITIONS,
+    SCHEMA_VERSION,
+    SIGNAL_DEFINITIONS,
+    histogram_schema,
+    history_schema,
+)
 
 _MD_SPECIAL: Final[re.Pattern[str]] = re.compile(
     r"([\\`*\[\]<>|~&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))"
@@ -230,6 +236,62 @@ def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> lis
         "# Histograms of the focus layers, without TensorBoard.",
         'histograms = pl.scan_parquet(RUN / "histograms.parquet")',
         "",
+        "",
+        "# Parameters (recorded when the observer was given",
+        '# signals=[..., "parameter", "parameter_update"]; empty frames otherwise).',
+        "# The L2 norm of a tensor from its mean, std and shape: over its n finite entries,",
+        "# sum(x**2) = n * (std**2 + mean**2), so ||x||_2 = sqrt(n * (std**2 + mean**2)),",
+        "# n = prod(shape) * (1 - nonfinite_fraction).",
+        "def l2_norm(signal):",
+        "    return (",
+        '        history.filter(pl.col("signal") == signal)',
+        '        .group_by("layer", "tensor_path", "sample_id")',
+        "        .agg(",
+        '            pl.col("value").filter(pl.col("metric") == "mean").first().alias("mean"),',
+        '            pl.col("value").filter(pl.col("metric") == "std").first().alias("std"),',
+        '            pl.col("value")',
+        '            .filter(pl.col("metric") == "nonfinite_fraction")',
+        "            .first()",
+        '            .alias("nonfinite"),',
+        '            pl.col("shape")',
+        "            .first()",
+        "            .list.eval(pl.element().product())",
+        "            .list.first()",
+        '            .alias("numel"),',
+        "        )",
+        "        .with_columns(",
+        "            norm=(",
+        '                pl.col("numel")',
+        '                * (1 - pl.col("nonfinite"))',
+        '                * (pl.col("std") ** 2 + pl.col("mean") ** 2)',
+        "            ).sqrt()",
+        "        )",
+        "    )",
+        "",
+        "",
+        "# Weight norm per layer and parameter over time.",
+        "weight_norm = (",
+        '    l2_norm("parameter")',
+        '    .select("layer", "tensor_path", "sample_id", "norm")',
+        '    .sort("layer", "tensor_path", "sample_id")',
+        "    .collect()",
+        ")",
+        "",
+        "# Update-to-weight ratio per layer and parameter over time: how far each optimizer",
+        "# step moved the parameter, relative to its size (the learning-rate diagnostic).",
+        "update_to_weight = (",
+        '    l2_norm("parameter_update")',
+        '    .join(l2_norm("parameter"), on=["layer", "tensor_path", "sample_id"], suffix="_w")',
+        "    .select(",
+        '        "layer",',
+        '        "tensor_path",',
+        '        "sample_id",',
+        '        (pl.col("norm") / pl.col("norm_w")).alias("update_to_weight"),',
+        "    )",
+        '    .sort("layer", "tensor_path", "sample_id")',
+        "    .collect()",
+        ")",
+        "",
         "# While the run is live (before removal), read the published parts instead:",
         "# from ti_io import scan_history; live = scan_history(RUN)",
     ]
@@ -243,8 +305,10 @@ def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live:
         "",
         "This directory holds per-layer statistics of a PyTorch model recorded by "
         "TorchInstruments: for every selected module, statistics of its **outputs** and of the "
-        "**gradients with respect to those outputs**, sampled at some root forwards of the model. "
-        "It measures; it does not judge (no score, ranking or diagnosis).",
+        "**gradients with respect to those outputs** and, when they were asked for, of the "
+        "**parameters** it owns, their **gradients** and their **updates**, sampled at some "
+        "root forwards of the model. It measures; it does not judge (no score, ranking or "
+        "diagnosis).",
         "",
     ]
     if live:
@@ -296,7 +360,8 @@ def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live:
         "- `result.json`: the history aggregated per layer, call, signal, tensor path and "
         "context (mode, grad_enabled).",
         "- `tensorboard/`: the same histograms as TensorBoard events, one tag per layer, call, "
-        "signal and tensor path (`{layer}/call{call_index}/{signal}{tensor_path}`, unsafe "
+        "signal and tensor path (`{layer}/call{call_index}/{signal}{tensor_path}`, a "
+        "parameter's name joined with a dot, `fc/call0/parameter.weight`; unsafe "
         "characters percent-encoded, the root module as `%root`), step = `sample_id`.",
         "- `history.parts/`, `histograms.parts/`: completed Parquet chunks while the run is "
         "live; removed once consolidated.",
@@ -312,6 +377,17 @@ def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live:
         "when a backward reaches it (`signal` = `output_gradient`). Gradients are written when "
         "their backward ends, possibly out of order: **always order by `sample_id`**, never "
         "by row order or timestamp alone. A null `value` always has an `unavailable_reason`.",
+        "",
+        "Signals (values of the `signal` column; the run's `signals` setting above says which "
+        "were recorded; the parameter signals have `tensor_path` = the parameter's name in the "
+        "module, e.g. `weight`, and `call_index` 0):",
+        "",
+        "| signal | what was measured |",
+        "|---|---|",
+        *(
+            f"| {md_escape(name)} | {md_escape(text)} |"
+            for name, text in SIGNAL_DEFINITIONS.items()
+        ),
         "",
         *_columns_table("ti.history", history_schema()),
         "Histogram columns (`ti.histograms`) share the identity columns above and add:",

@@ -23,7 +23,7 @@ import hashlib
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -43,6 +43,7 @@ from ti_io.legacy_layout import (
     legacy_run_reason,
     rank_dirs,
 )
+from ti_io.progress import ProgressCallback
 from ti_io.publishing import fsync_dir, publish_text, temp_path
 from ti_io.result_json import render
 from ti_schema import DEFAULT_METRICS, METADATA_KEY, PLACEHOLDERS, history_schema
@@ -275,9 +276,15 @@ def _convert(
     return pa.table([columns[f.name] for f in schema], names=schema.names).cast(schema)
 
 
-def _upgrade_run(source: Path, build: Path, final: Path, rank_hint: int | None) -> UpgradedRun:
+def _upgrade_run(
+    source: Path,
+    build: Path,
+    final: Path,
+    rank_hint: int | None,
+    on_rows: Callable[[int], None] = lambda rows: None,
+) -> UpgradedRun:
     """Convert the 0.8.0 run in ``source`` into ``build`` (a temporary directory that becomes
-    ``final``, the path index.md names)."""
+    ``final``, the path index.md names); ``on_rows(n)`` after each ``n`` rows converted."""
     files, interrupted = history_files(source)
     old = _read_old_facts(source)
     rank = old.rank if old.rank is not None else rank_hint
@@ -307,6 +314,7 @@ def _upgrade_run(source: Path, build: Path, final: Path, rank_hint: int | None) 
             digest.add(converted)
             seen_metrics |= set(pc.unique(converted.column("metric")).to_pylist())
             rows += converted.num_rows
+            on_rows(converted.num_rows)
     metrics = [m for m in DEFAULT_METRICS if m in seen_metrics or not seen_metrics]
     metrics += sorted(seen_metrics - set(metrics))
     facts = RunFacts(
@@ -342,14 +350,31 @@ def _upgrade_run(source: Path, build: Path, final: Path, rank_hint: int | None) 
     )
 
 
-def upgrade(old_dir: str | os.PathLike[str], new_dir: str | os.PathLike[str]) -> Upgraded:
+def _history_rows(runs: list[tuple[Path, Path, int | None]]) -> int:
+    """The history rows of every run to upgrade, from the Parquet footers (the total of the
+    progress reports)."""
+    total = 0
+    for source, _, _ in runs:
+        for path in history_files(source)[0]:
+            with contextlib.suppress(Exception):  # unreadable: _read_tables says so
+                total += pq.read_metadata(path).num_rows
+    return total
+
+
+def upgrade(
+    old_dir: str | os.PathLike[str],
+    new_dir: str | os.PathLike[str],
+    *,
+    progress: ProgressCallback | None = None,
+) -> Upgraded:
     """Convert the torchinstruments 0.8.0 run in ``old_dir`` into a run of the current contract
     in ``new_dir`` (which must not exist yet, or be empty); ``old_dir`` is only read.
 
     A directory of 0.8.0 ``rank-NNN`` runs becomes the same ``rank-NNN`` layout. The result
     passes ``ti validate`` and reads with the same queries as a new run. Raises
     :class:`UpgradeError` (and writes nothing) for a missing, foreign or already current
-    directory, or an occupied ``new_dir``.
+    directory, or an occupied ``new_dir``. ``progress(done, total)`` counts history rows
+    converted (the ``ti`` command draws it).
     """
     source, target = Path(old_dir), Path(new_dir)
     if not source.is_dir():
@@ -373,10 +398,19 @@ def upgrade(old_dir: str | os.PathLike[str], new_dir: str | os.PathLike[str]) ->
     target.parent.mkdir(parents=True, exist_ok=True)
     building = temp_path(target)
     done: list[UpgradedRun] = []
+    total = _history_rows(runs) if progress is not None else 0
+    converted = 0
+
+    def on_rows(rows: int) -> None:
+        nonlocal converted
+        converted += rows
+        if progress is not None:
+            progress(converted, max(total, converted))
+
     try:
         for run_source, run_target, rank in runs:
             place = building / run_target.relative_to(target)
-            done.append(_upgrade_run(run_source, place, run_target, rank))
+            done.append(_upgrade_run(run_source, place, run_target, rank, on_rows))
         if target.exists():
             target.rmdir()  # empty, checked above
         os.replace(building, target)

@@ -1,6 +1,8 @@
 """TensorBoard tags for arbitrary module names, escaped deterministically and reversibly.
 
-A tag is ``{layer}/call{call_index}/{signal}{tensor_path}``. Module names are arbitrary strings
+A tag is ``{layer}/call{call_index}/{signal}{tensor_path}``; a ``tensor_path`` that is a name
+(a parameter's, ``weight``) is joined with a dot: ``fc/call0/parameter_update.weight``. Module
+names are arbitrary strings
 (``nn.ModuleDict`` keys may hold ``/``, ``..``, newlines, Markdown or HTML), so ``layer`` and
 ``tensor_path`` are escaped: ``%``, ``/``, ``\\``, whitespace, control and other non-printable
 characters, and ``<>&"'`` followed by a backtick, become ``%XX`` (UTF-8 bytes, upper-case hex,
@@ -32,4 +34,7 @@ def escape_tag_part(text: str) -> str:
 def histogram_tag(layer: str, call_index: int, signal: str, tensor_path: str) -> str:
     """The TensorBoard tag of one measured tensor."""
     name = escape_tag_part(layer) if layer else ROOT_TAG
-    return f"{name}/call{call_index}/{escape_tag_part(signal)}{escape_tag_part(tensor_path)}"
+    path = escape_tag_part(tensor_path)
+    if path and path[0] not in "[.":  # a parameter's name: ``parameter.weight``
+        path = f".{path}"
+    return f"{name}/call{call_index}/{escape_tag_part(signal)}{path}"

@@ -7,7 +7,9 @@ Needs torch, ti-core and ti-io (any development venv of the monorepo)::
 writes ``core-runs/`` next to this file (replacing it): real runs observed by ti-core and
 written by ti-io's DirectorySink.
 
-- ``finalized/``: a tiny model trained for a few steps, observer removed (finalized run).
+- ``finalized/``: a tiny model trained for a few steps, observer removed (finalized run), with
+  every signal of the contract (outputs, their gradients, the parameters, their gradients and
+  their updates).
 - ``live/``: the same run copied while it was live, after ``DirectorySink.flush()``: parts,
   ``run.json``, the catalog result.json, the live index.md and TensorBoard events; what a
   ``kill -9`` at that moment leaves. Consolidating it must give the finalized run.
@@ -35,6 +37,7 @@ from torch import nn
 
 from ti_core import AlwaysSampler, RankSelection, inject_observer, remove_observer
 from ti_io import DirectorySink, HistoryConfig
+from ti_schema import DEFAULT_SIGNALS, SIGNALS
 from ti_schema.layout import HISTORY_PARTS, RUN_FILE, rank_dir_name
 
 DATA: Final[Path] = Path(__file__).resolve().parent / "core-runs"
@@ -75,14 +78,21 @@ def _train(model: nn.Module, seed: int) -> None:
 
 
 def _observed_run(
-    output_dir: Path, live_copy: Path | None, *, seed: int, rank_policy: object = "rank0"
+    output_dir: Path,
+    live_copy: Path | None,
+    *,
+    seed: int,
+    rank_policy: object = "rank0",
+    signals: tuple[str, ...] = DEFAULT_SIGNALS,
 ) -> None:
     """Train one observed run in ``output_dir``; copy it to ``live_copy`` before removal."""
     model = _model()
     sink = DirectorySink(
         output_dir, history_config=HistoryConfig(buffer_rows=BUFFER_ROWS, window=WINDOW)
     )
-    inject_observer(model, sink=sink, sampler=AlwaysSampler(), rank_policy=rank_policy)
+    inject_observer(
+        model, sink=sink, sampler=AlwaysSampler(), rank_policy=rank_policy, signals=signals
+    )
     try:
         _train(model, seed)
         if live_copy is not None:
@@ -103,7 +113,7 @@ def _anonymize_host(run: Path) -> None:
 def write_runs(destination: Path) -> None:
     """Write ``finalized/``, ``live/`` and ``ranks/`` into ``destination`` (must not exist)."""
     destination.mkdir(parents=True)
-    _observed_run(destination / "finalized", destination / "live", seed=1)
+    _observed_run(destination / "finalized", destination / "live", seed=1, signals=SIGNALS)
     ranks = destination / "ranks"
     _observed_run(ranks, None, seed=2, rank_policy=FixedRank(0, 2))
     with tempfile.TemporaryDirectory() as scratch:

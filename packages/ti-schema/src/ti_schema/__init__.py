@@ -19,10 +19,14 @@ from ti_schema.errors import MISMATCH_KINDS, Mismatch, MismatchKind, SchemaMisma
 from ti_schema.interop import footer_metadata, large_types, polars_write_options
 from ti_schema.names import (
     DEFAULT_METRICS,
+    DEFAULT_SIGNALS,
     FINITE_METRICS,
     FRACTION_METRICS,
     METRIC_DEFINITIONS,
     MODES,
+    PARAMETER_SIGNALS,
+    SIGNAL_ADDED_IN,
+    SIGNAL_DEFINITIONS,
     SIGNALS,
     Mode,
     Signal,
@@ -57,6 +61,7 @@ from ti_schema.version import SCHEMA_VERSION
 
 __all__ = [
     "DEFAULT_METRICS",
+    "DEFAULT_SIGNALS",
     "DICTIONARY_COLUMNS",
     "FINITE_METRICS",
     "FRACTION_METRICS",
@@ -69,11 +74,14 @@ __all__ = [
     "MISMATCH_KINDS",
     "MODES",
     "OPTIONAL_KEYS",
+    "PARAMETER_SIGNALS",
     "PLACEHOLDERS",
     "RESULT_JSON_SCHEMA",
     "SCHEMA_NAMES",
     "SCHEMA_VERSION",
     "SIGNALS",
+    "SIGNAL_ADDED_IN",
+    "SIGNAL_DEFINITIONS",
     "UNRECORDABLE_COLUMNS",
     "Barrier",
     "DeclaresCapabilities",

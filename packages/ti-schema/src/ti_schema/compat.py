@@ -1,8 +1,9 @@
 """Reading the ``ti`` schema metadata and the compatibility rule for readers.
 
-The rule: a reader of ``X.Y`` reads any ``X.*``. A newer minor may only add nullable columns
-(the column side is applied by the validators); an older minor may lack the columns added
-after it; another major is refused with a message naming the versions this reader knows.
+The rule: a reader of ``X.Y`` reads any ``X.*``. A newer minor may only add nullable columns,
+optional metadata keys and ``signal`` values (the column and value sides are applied by the
+validators); an older minor may lack the columns added after it and holds only the signals it
+knew; another major is refused with a message naming the versions this reader knows.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from ti_schema.schemas import (
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_VERSION
 
 KNOWN_VERSIONS: Final[dict[SchemaName, tuple[str, ...]]] = {
-    HISTORY: ("1.0", SCHEMA_VERSION),
-    HISTOGRAMS: ("1.0", SCHEMA_VERSION),
+    HISTORY: ("1.0", "1.1", SCHEMA_VERSION),
+    HISTOGRAMS: ("1.0", "1.1", SCHEMA_VERSION),
 }
 """Every contract version this reader was written against, per schema name."""
 

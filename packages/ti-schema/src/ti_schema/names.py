@@ -4,13 +4,47 @@ from __future__ import annotations
 
 from typing import Final, Literal, get_args
 
-Signal = Literal["output", "output_gradient"]
+Signal = Literal["output", "output_gradient", "parameter", "parameter_gradient", "parameter_update"]
 """A value of the ``signal`` column."""
 Mode = Literal["train", "eval"]
 """A value of the ``mode`` column."""
 
 SIGNALS: Final[tuple[Signal, ...]] = get_args(Signal)
-"""Values of the ``signal`` column: a module's output, and the gradient with respect to it."""
+"""Values of the ``signal`` column, in the order readers list them: a module's output, the
+gradient with respect to it, and (contract 1.2) the module's own parameters, their gradients and
+their updates."""
+
+DEFAULT_SIGNALS: Final[tuple[Signal, ...]] = ("output", "output_gradient")
+"""What a producer records unless asked for more (ti-core's ``inject_observer(signals=)``)."""
+
+PARAMETER_SIGNALS: Final[tuple[Signal, ...]] = (
+    "parameter",
+    "parameter_gradient",
+    "parameter_update",
+)
+"""The opt-in signals about a module's directly owned parameters (``tensor_path`` = the
+parameter's name in the module, e.g. ``weight``)."""
+
+SIGNAL_ADDED_IN: Final[dict[Signal, int]] = {
+    "output": 0,
+    "output_gradient": 0,
+    "parameter": 2,
+    "parameter_gradient": 2,
+    "parameter_update": 2,
+}
+"""Minor contract version (of major 1) that introduced each signal value."""
+
+SIGNAL_DEFINITIONS: Final[dict[Signal, str]] = {
+    "output": "a tensor in the output of a selected module's call",
+    "output_gradient": "the gradient with respect to that output, from the first backward that "
+    "reaches it",
+    "parameter": "a parameter the module owns directly, as the sampled forward used it",
+    "parameter_gradient": "that parameter's .grad at the end of the first backward that reaches "
+    "the sampled forward (accumulated micro-batches included)",
+    "parameter_update": "value after minus value before the first optimizer step that follows "
+    "the sampled forward",
+}
+"""One-line definition of each signal, for docs and index.md."""
 
 MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 """Values of the ``mode`` column: the module's own ``training`` flag at the call."""

@@ -50,7 +50,8 @@ _IDENTITY: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
         "timestamp",
         pa.timestamp("us", tz="UTC"),
         False,
-        "when the tensor was observed: forward time for outputs, backward time for gradients",
+        "when the tensor was observed: forward time for outputs and parameters, backward time"
+        " for gradients, step time for parameter updates",
     ),
     ("layer", pa.string(), False, "qualified name from named_modules(); '' is the root"),
     ("module_type", pa.string(), False, "class name of the module"),
@@ -58,15 +59,22 @@ _IDENTITY: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
         "call_index",
         pa.int32(),
         False,
-        "0-based order of this module's calls within the sample (shared modules)",
+        "0-based order of this module's calls within the sample (shared modules); 0 for the"
+        " parameter signals",
     ),
-    ("signal", pa.string(), False, "'output' or 'output_gradient'"),
+    (
+        "signal",
+        pa.string(),
+        False,
+        "'output', 'output_gradient', 'parameter', 'parameter_gradient' or 'parameter_update'",
+    ),
     (
         "tensor_path",
         pa.string(),
         False,
-        "position of the tensor in the output pytree: '' for a bare tensor, else e.g. [0]"
-        " or ['logits']",
+        "output signals: position of the tensor in the output pytree, '' for a bare tensor,"
+        " else e.g. [0] or ['logits']; parameter signals: the parameter's name in the module,"
+        " e.g. weight (a DTensor shard adds its placements: weight@S(0))",
     ),
     ("mode", pa.string(), False, "'train' or 'eval': the module's own training flag at the call"),
     (
@@ -75,7 +83,12 @@ _IDENTITY: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
         False,
         "torch.is_grad_enabled() at the call; gradients inherit their forward's context",
     ),
-    ("shape", pa.list_(pa.int64()), False, "tensor shape"),
+    (
+        "shape",
+        pa.list_(pa.int64()),
+        False,
+        "tensor shape (of this rank's local shard for a DTensor parameter)",
+    ),
     ("dtype", pa.string(), False, "torch dtype name without prefix, e.g. float32"),
 )
 

@@ -19,7 +19,14 @@ import pyarrow as pa
 from ti_schema.artifacts import artifact_dir_problems
 from ti_schema.errors import SchemaMismatchError
 from ti_schema.layout import HISTOGRAMS_FILE, HISTORY_FILE, INDEX_FILE, RESULT_FILE
-from ti_schema.names import DEFAULT_METRICS, FINITE_METRICS
+from ti_schema.names import (
+    DEFAULT_METRICS,
+    DEFAULT_SIGNALS,
+    FINITE_METRICS,
+    PARAMETER_SIGNALS,
+    SIGNALS,
+    Signal,
+)
 from ti_schema.result_json import load_strict_json, result_json_problems
 from ti_schema.schemas import DICTIONARY_COLUMNS, histogram_schema, history_schema
 from ti_schema.sink import LayerInfo, RunInfo
@@ -114,35 +121,52 @@ def example_run_info(
     )
 
 
-def _tensors() -> Any:
-    """Endless (sample, layer, module_type, signal) in the order a producer would emit them."""
+def _tensors(signals: Sequence[Signal] = DEFAULT_SIGNALS) -> Any:
+    """Endless (sample, layer, module_type, signal, tensor_path) in the order a producer would
+    emit them; the parameter signals cover the Linear layers' ``weight`` and ``bias``."""
+    unknown = [s for s in signals if s not in SIGNALS]
+    if unknown or isinstance(signals, str) or not signals:
+        raise ValueError(
+            f"signals must be a non-empty sequence drawn from {SIGNALS}, got {signals!r}"
+        )
     sample = 0
     while True:
-        for signal in ("output", "output_gradient"):
+        for signal in signals:
             for layer, module_type in _LAYERS:
-                yield sample, layer, module_type, signal
+                if signal not in PARAMETER_SIGNALS:
+                    yield sample, layer, module_type, signal, ""
+                elif module_type == "Linear":
+                    for path in ("weight", "bias"):
+                        yield sample, layer, module_type, signal, path
         sample += 1
 
 
 def example_history_table(
-    rows: int = 54, *, producer: str = "ti-schema example", dictionary: bool = False
+    rows: int = 54,
+    *,
+    producer: str = "ti-schema example",
+    dictionary: bool = False,
+    signals: Sequence[Signal] = DEFAULT_SIGNALS,
 ) -> pa.Table:
     """A valid synthetic ``ti.history`` table of ``rows`` rows (deterministic).
 
-    Three layers (``encoder.0``, ``encoder.1``, ``head``), outputs then gradients, the default
-    metrics per tensor. The ReLU's gradient in samples 0, 3, 6... is an empty tensor, so its
-    rows show unavailable values with a reason. ``dictionary=True`` dictionary-encodes the
-    repeating string columns, as a producer may.
+    Three layers (``encoder.0``, ``encoder.1``, ``head``), one signal after the other
+    (``signals``, default outputs then their gradients; the parameter signals cover the two
+    Linear layers' ``weight`` and ``bias``), the default metrics per tensor. The ReLU's gradient
+    in samples 0, 3, 6... is an empty tensor, so its rows show unavailable values with a reason.
+    ``dictionary=True`` dictionary-encodes the repeating string columns, as a producer may.
     """
     if rows < 0:
         raise ValueError(f"rows must be >= 0, got {rows}")
     columns: dict[str, list[Any]] = {name: [] for name in history_schema().names}
-    tensors = _tensors()
+    tensors = _tensors(signals)
     while len(columns["run_id"]) < rows:
-        sample, layer, module_type, signal = next(tensors)
-        gradient = signal == "output_gradient"
+        sample, layer, module_type, signal, path = next(tensors)
+        gradient = signal in ("output_gradient", "parameter_gradient")
         empty = layer == "encoder.1" and gradient and sample % 3 == 0
         shape = [0, 4] if empty else [8, 4]
+        if path:
+            shape = [4, 4] if path == "weight" else [4]
         for index, metric in enumerate(DEFAULT_METRICS):
             if len(columns["run_id"]) == rows:
                 break
@@ -162,7 +186,7 @@ def example_history_table(
                 "module_type": module_type,
                 "call_index": 0,
                 "signal": signal,
-                "tensor_path": "",
+                "tensor_path": path,
                 "mode": "train",
                 "grad_enabled": True,
                 "shape": shape,
@@ -186,7 +210,7 @@ def example_histogram_table(
     columns: dict[str, list[Any]] = {name: [] for name in histogram_schema().names}
     tensors = _tensors()
     for _ in range(rows):
-        sample, layer, module_type, signal = next(tensors)
+        sample, layer, module_type, signal, _ = next(tensors)
         counts = [1 + sample, 2, 1]
         row = {
             "run_id": "example-run",

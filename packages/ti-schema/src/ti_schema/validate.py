@@ -3,7 +3,8 @@
 Checked: column names, types, nullability and the ``ti`` schema metadata (with the reader
 compatibility rule of :mod:`ti_schema.compat`); for tables and batches also the data rules
 (no nulls in not-null columns, ``value``/``unavailable_reason`` exclusivity, ``signal`` and
-``mode`` domains, histogram bucket consistency). Field-level ``doc`` metadata and column order
+``mode`` domains, the ``signal`` values of the data's own version, histogram bucket
+consistency). Field-level ``doc`` metadata and column order
 are informative and never checked: engines such as Polars drop the former on a round trip.
 """
 
@@ -18,7 +19,7 @@ import pyarrow.compute as pc
 
 from ti_schema.compat import MetadataSource, read_metadata, version_problems
 from ti_schema.errors import Mismatch, SchemaMismatchError
-from ti_schema.names import MODES, SIGNALS
+from ti_schema.names import MODES, SIGNAL_ADDED_IN, SIGNALS
 from ti_schema.schemas import HISTOGRAMS, HISTORY, SchemaName, histogram_schema, history_schema
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_MINOR
 
@@ -31,6 +32,9 @@ _UTC: Final[frozenset[str]] = frozenset({"UTC", "Etc/UTC", "+00:00"})
 _NON_NEGATIVE: Final[tuple[str, ...]] = ("rank", "sample_id", "forward_index", "call_index")
 
 
+DataRules = Callable[[pa.Table, frozenset[str], "tuple[int, int] | None"], list[Mismatch]]
+
+
 @dataclass(frozen=True)
 class Contract:
     """What one schema version requires; ``added_in`` maps a column to the minor that added it."""
@@ -39,7 +43,8 @@ class Contract:
     schema: pa.Schema
     version: tuple[int, int] = (SCHEMA_MAJOR, SCHEMA_MINOR)
     added_in: Mapping[str, int] = field(default_factory=dict)
-    data_rules: Callable[[pa.Table, frozenset[str]], list[Mismatch]] | None = None
+    data_rules: DataRules | None = None
+    """Rules on the rows: ``(table, usable columns, the data's version or None) -> problems``."""
 
     @property
     def label(self) -> str:
@@ -140,11 +145,42 @@ def _domain(table: pa.Table, column: str, allowed: tuple[str, ...]) -> list[Mism
     ]
 
 
-def _common_rules(table: pa.Table, usable: frozenset[str]) -> list[Mismatch]:
+def _signal_rule(table: pa.Table, version: tuple[int, int] | None) -> list[Mismatch]:
+    """``signal`` holds the values of the data's own contract version (this reader's when the
+    data names none). Data of a newer minor may hold signals this reader does not know yet
+    (a minor may add signal values); data of an older minor only those it knew."""
+    found = _distinct_strings(table.column("signal"))
+    minor = SCHEMA_MINOR if version is None else version[1]
+    if minor > SCHEMA_MINOR:
+        return []
+    added_in: dict[str, int] = {str(s): m for s, m in SIGNAL_ADDED_IN.items()}
+    allowed = [s for s in SIGNALS if added_in[s] <= minor]
+    too_new = sorted(s for s in found if s in added_in and s not in allowed)
+    problems = []
+    if found - set(SIGNALS):
+        problems += _domain(table, "signal", SIGNALS)
+    if too_new:
+        added = max(added_in[s] for s in too_new)
+        problems.append(
+            Mismatch(
+                "data",
+                "column 'signal'",
+                f"holds {too_new!r}, signals of contract {SCHEMA_MAJOR}.{added}, but the data "
+                f"says version {SCHEMA_MAJOR}.{minor}, whose signals are {allowed!r}; write it "
+                f"with schema_version {SCHEMA_MAJOR}.{added} or later",
+            )
+        )
+    return problems
+
+
+def _common_rules(
+    table: pa.Table, usable: frozenset[str], version: tuple[int, int] | None
+) -> list[Mismatch]:
     problems: list[Mismatch] = []
-    for column, allowed in (("signal", SIGNALS), ("mode", MODES)):
-        if column in usable:
-            problems += _domain(table, column, allowed)
+    if "signal" in usable:
+        problems += _signal_rule(table, version)
+    if "mode" in usable:
+        problems += _domain(table, "mode", MODES)
     for column in _NON_NEGATIVE:
         if column in usable and table.num_rows:
             count, first = _count_and_first(pc.less(table.column(column), 0))
@@ -159,8 +195,10 @@ def _common_rules(table: pa.Table, usable: frozenset[str]) -> list[Mismatch]:
     return problems
 
 
-def _history_rules(table: pa.Table, usable: frozenset[str]) -> list[Mismatch]:
-    problems = _common_rules(table, usable)
+def _history_rules(
+    table: pa.Table, usable: frozenset[str], version: tuple[int, int] | None
+) -> list[Mismatch]:
+    problems = _common_rules(table, usable, version)
     if {"value", "unavailable_reason"} <= usable and table.num_rows:
         value_null = pc.is_null(table.column("value"))
         reason_set = pc.is_valid(table.column("unavailable_reason"))
@@ -177,8 +215,10 @@ def _history_rules(table: pa.Table, usable: frozenset[str]) -> list[Mismatch]:
     return problems
 
 
-def _histogram_rules(table: pa.Table, usable: frozenset[str]) -> list[Mismatch]:
-    problems = _common_rules(table, usable)
+def _histogram_rules(
+    table: pa.Table, usable: frozenset[str], version: tuple[int, int] | None
+) -> list[Mismatch]:
+    problems = _common_rules(table, usable, version)
     if not table.num_rows:
         return problems
     if {"bucket_limits", "bucket_counts"} <= usable:
@@ -343,7 +383,7 @@ def problems_for(
     columns, usable = _column_problems(schema, contract, version, nullability, table)
     problems += columns
     if table is not None and contract.data_rules is not None:
-        problems += contract.data_rules(table, usable)
+        problems += contract.data_rules(table, usable, version)
     return problems
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Final
 
-SCHEMA_VERSION: Final[str] = "1.1"
-"""``major.minor`` of the ti contract. A minor bump only adds nullable columns or optional
-keys of the ``ti`` metadata (1.1 added ``window``, ``upgraded_from`` and ``unrecorded``)."""
+SCHEMA_VERSION: Final[str] = "1.2"
+"""``major.minor`` of the ti contract. A minor bump only adds nullable columns, optional keys of
+the ``ti`` metadata or values of the ``signal`` column (1.1 added ``window``, ``upgraded_from``
+and ``unrecorded``; 1.2 the signals ``parameter``, ``parameter_gradient`` and
+``parameter_update``)."""
 
 SCHEMA_MAJOR: Final[int] = int(SCHEMA_VERSION.split(".")[0])
 SCHEMA_MINOR: Final[int] = int(SCHEMA_VERSION.split(".")[1])

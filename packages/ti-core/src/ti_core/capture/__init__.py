@@ -11,4 +11,9 @@ Modules, from the hooks torch calls down to the tensors they keep:
 - :mod:`~ti_core.capture.batch`: a signal's snapshots, reduced in batches (``TensorBatch``).
 - :mod:`~ti_core.capture.snapshots`: recycled snapshot buffers.
 - :mod:`~ti_core.capture.context`: time stamps, backward and checkpoint detection.
+- :mod:`~ti_core.capture.parameters`: the opt-in parameter signals of a sample (which
+  parameters, their values), with :mod:`~ti_core.capture.parameter_gradients` (their ``.grad``
+  after the sample's backward), :mod:`~ti_core.capture.updates` (what the next optimizer step
+  changes), :mod:`~ti_core.capture.parameter_target` (what they report to) and
+  :mod:`~ti_core.capture.sharding` (DTensor parameters: the local shard).
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Iterable
 from typing import Any, Final
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from ti_core.capture.batch import TensorBatch
 from ti_core.capture.context import in_reentrant_checkpoint
 from ti_core.capture.gradients import GradientState, GradientTarget
+from ti_core.capture.parameters import ParameterSample
 from ti_core.capture.paths import tensor_leaves
 from ti_core.records import Entries, Entry
 
@@ -49,20 +51,43 @@ class Gaps:
         self.reasons.append(reason)
 
 
+def as_gaps(gaps: Iterable[tuple[Entry, str]]) -> Gaps:
+    """``(entry, reason)`` pairs (the parameter signals' gaps) as :class:`Gaps`."""
+    result = Gaps()
+    for entry, reason in gaps:
+        result.add(entry, reason)
+    return result
+
+
 _time_ns = time.time_ns
 _is_grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 
 
 class Sample:
-    """One sampled root forward: its outputs, its coverage gaps and its gradient state.
+    """One sampled root forward: its outputs, its coverage gaps and its gradient state, and the
+    parameter side when the parameter signals are on.
 
     :meth:`record` runs for every selected module call of a sampled forward, so it creates no
     Python object per call: entries are appended to the batch's columns, the gradient hook is
     shared by every entry of one tensor.
+
+    ``outputs`` / ``output_gradients`` say whether the ``output`` and ``output_gradient``
+    signals are recorded (``inject_observer(signals=)``).
     """
 
-    __slots__ = ("calls", "forward", "forward_index", "gaps", "gradients", "sample_id", "target")
+    __slots__ = (
+        "calls",
+        "forward",
+        "forward_index",
+        "gaps",
+        "gradients",
+        "output_gradients",
+        "outputs",
+        "parameters",
+        "sample_id",
+        "target",
+    )
 
     def __init__(
         self,
@@ -70,6 +95,10 @@ class Sample:
         forward_index: int,
         batch: TensorBatch,
         target: weakref.ref[GradientTarget],
+        *,
+        outputs: bool = True,
+        output_gradients: bool = True,
+        parameters: ParameterSample | None = None,
     ) -> None:
         self.sample_id = sample_id
         self.forward_index = forward_index
@@ -81,6 +110,10 @@ class Sample:
         self.gaps = Gaps()
         """Outputs whose gradient cannot be captured, with the reason."""
         self.gradients: GradientState | None = None
+        self.outputs = outputs
+        self.output_gradients = output_gradients
+        self.parameters = parameters
+        """The parameter signals of this forward (None when they are off)."""
 
     def record(self, layer: int, module: nn.Module, output: Any) -> None:
         """One call of the selected module ``layer`` returned ``output``: snapshot each tensor
@@ -89,10 +122,15 @@ class Sample:
         call = calls.get(layer, 0)
         calls[layer] = call + 1
         if isinstance(output, _Tensor):
-            self._record(layer, call, "", bool(module.training), output, _time_ns() // 1000)
+            if self.parameters is not None:
+                self.parameters.record_call(layer, module, [("", output)])
+            if self.outputs or self.output_gradients:
+                self._record(layer, call, "", bool(module.training), output, _time_ns() // 1000)
             return
         leaves = tensor_leaves(output)
-        if not leaves:
+        if self.parameters is not None:
+            self.parameters.record_call(layer, module, leaves)
+        if not leaves or not (self.outputs or self.output_gradients):
             return
         stamp = _time_ns() // 1000
         train = bool(module.training)
@@ -105,6 +143,8 @@ class Sample:
         grad_enabled = _is_grad_enabled()
         forward = self.forward
         slot = forward.add(tensor, layer, call, path, train, grad_enabled, stamp)
+        if not self.output_gradients:
+            return
         if grad_enabled:
             if not tensor.requires_grad:
                 return
@@ -127,4 +167,4 @@ class Sample:
             self.gradients.forward_done()
 
 
-__all__ = ["LEAF_REASON", "REENTRANT_REASON", "Gaps", "Sample"]
+__all__ = ["LEAF_REASON", "REENTRANT_REASON", "Gaps", "Sample", "as_gaps"]

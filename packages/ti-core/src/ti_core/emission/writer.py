@@ -24,6 +24,9 @@ from ti_core.records import (
 _STAGES: Final[dict[SignalName, str]] = {
     "output": "forward emission",
     "output_gradient": "gradient emission",
+    "parameter": "parameter emission",
+    "parameter_gradient": "parameter gradient emission",
+    "parameter_update": "parameter update emission",
 }
 
 
@@ -38,7 +41,11 @@ class EndedSignal:
     forward_index: int
     batch: TensorBatch
     gaps: Gaps | None = None
-    """Entries whose gradient cannot be captured, with the reason (``output`` only)."""
+    """Entries without a value in ``gap_signal``, with the reason: outputs or parameters whose
+    gradient cannot be captured (with ``output`` / ``parameter``), parameters whose gradient or
+    update was not measured (with those signals)."""
+    gap_signal: SignalName = "output_gradient"
+    """The signal of the ``gaps`` rows."""
 
     @property
     def stage(self) -> str:
@@ -85,7 +92,7 @@ class SignalWriter:
         if ended.gaps:
             gaps = unavailable_batch(
                 columns,
-                "output_gradient",
+                ended.gap_signal,
                 ended.sample_id,
                 ended.forward_index,
                 ended.gaps.entries,

@@ -1,0 +1,47 @@
+"""DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism): what this rank holds, and
+how its rows say so (docs/data-contract.md, "Signals")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import torch
+
+
+def _dtensor_type() -> type | None:
+    if not torch.distributed.is_available():  # pragma: no cover - depends on the torch build
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return None
+    return DTensor
+
+
+_DTENSOR: Final = _dtensor_type()
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (each rank holds a local part, e.g. FSDP2's shards)."""
+    return _DTENSOR is not None and isinstance(tensor, _DTENSOR)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this process holds of ``tensor``: a DTensor's local part, else the tensor itself;
+    detached."""
+    if is_sharded(tensor):
+        tensor = tensor.to_local()  # type: ignore[attr-defined]
+    return tensor.detach()
+
+
+def parameter_path(name: str, param: torch.Tensor) -> str:
+    """The ``tensor_path`` of a parameter: its name in the module; a DTensor adds ``@`` and its
+    placements, one per mesh dimension as DTensor prints them (``weight@S(0)``)."""
+    if not is_sharded(param):
+        return name
+    placements: Sequence[object] = param.placements  # type: ignore[attr-defined]
+    return f"{name}@{','.join(str(p) for p in placements)}"
+
+
+__all__ = ["is_sharded", "local_tensor", "parameter_path"]

@@ -1,0 +1,376 @@
+"""``parameter_update``: what the first optimizer step after a sampled forward changes in each
+of its parameters (docs/capture.md, "Parameters, their gradients and their updates").
+
+Ownership: one :class:`UpdateTracker` per observer (with the parameter signals on). Each sampled
+forward opens an :class:`UpdateWindow` and adds its parameters to it. torch's global optimizer
+step pre/post hooks (:class:`OptimizerStepHook`) are installed by the gate, through
+:class:`OptimizerHookHost`, when a window opens; they copy the values a step is about to change
+(within ``update_budget_bytes`` at any time) and measure value after minus value before. A
+window closes once every parameter in it was updated, else at the first root forward after an
+optimizer step (its other parameters get unavailable rows), or at removal (:meth:`close`). When
+no window is left the gate removes the hooks, at that root forward: never from inside a hook,
+while torch iterates them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import Any, Final, Protocol
+
+import torch
+
+from ti_core.capture.batch import TensorBatch
+from ti_core.capture.context import now_us
+from ti_core.capture.hooks import HookObject
+from ti_core.capture.parameter_target import ParameterTarget, add_entry, measured_entry
+from ti_core.capture.sharding import local_tensor
+from ti_core.records import Entry
+
+DEFAULT_UPDATE_BUDGET_BYTES: Final[int] = 256 * 2**20
+"""Default of ``inject_observer(update_budget_bytes=)``: bytes of parameter values copied before
+optimizer steps, held at any one time, to measure ``parameter_update``."""
+
+NO_OPTIMIZER_REASON: Final[str] = (
+    "parameter update not measured: no optimizer that stepped after the sampled forward holds "
+    "this parameter"
+)
+REMOVED_REASON: Final[str] = (
+    "parameter update not measured: the observer was removed before an optimizer step "
+    "updated this parameter"
+)
+
+
+def budget_reason(budget: int, needed: int, held: int) -> str:
+    """Why a parameter's update was not measured: its copy would exceed the budget."""
+    return (
+        f"parameter update not measured: copying this parameter before the optimizer step needs "
+        f"{needed} bytes, {held} are held already, over update_budget_bytes={budget}; raise "
+        "inject_observer(update_budget_bytes=...) to measure it"
+    )
+
+
+def difference(after: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """``after - before`` in float64, a new tensor on their device. The difference of two
+    float32 (or narrower) values is exact in float64; in their own dtype it would round wherever
+    the step is not small against the value (a weight near zero)."""
+    return after.to(torch.float64) - before.to(torch.float64)
+
+
+def _step_code() -> CodeType | None:
+    """The code object of the wrapper torch puts around every ``Optimizer.step`` (it runs the
+    step hooks); one object shared by all optimizer classes."""
+    try:
+        wrapper = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None)
+        return wrapper.__code__
+    except (AttributeError, TypeError):  # pragma: no cover - depends on the torch build
+        return None
+
+
+_STEP_CODE: Final = _step_code()
+
+
+def stepping_optimizer() -> torch.optim.Optimizer | None:
+    """The optimizer whose ``step`` is running on this thread, if any: a forward run by a
+    step's closure (``optimizer.step(closure)``: LBFGS, Lightning) belongs to that step."""
+    if _STEP_CODE is None:  # pragma: no cover - depends on the torch build
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _STEP_CODE:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, torch.optim.Optimizer):
+                return candidate
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def optimizer_parameter_ids(optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    """Ids of every parameter ``optimizer`` holds (all of its param groups)."""
+    return frozenset(id(p) for group in optimizer.param_groups for p in group["params"])
+
+
+OptimizerHook = Callable[[torch.optim.Optimizer, Any, Any], None]
+"""What torch calls before / after every optimizer step: ``hook(optimizer, args, kwargs)``."""
+
+
+class OptimizerHookHost(Protocol):
+    """Installs and removes the global optimizer step hooks (the gate: it keeps every hook)."""
+
+    def install_optimizer_hooks(self, pre: OptimizerHook, post: OptimizerHook) -> None:
+        """Register ``pre`` and ``post`` for every optimizer's step (no-op when installed)."""
+        ...
+
+    def remove_optimizer_hooks(self) -> None:
+        """Remove them (no-op when none are installed)."""
+        ...
+
+
+@dataclass(eq=False)
+class UpdateWindow:
+    """``parameter_update`` of one sample: its parameters waiting for an optimizer step."""
+
+    sample_id: int
+    forward_index: int
+    pending: dict[int, tuple[Entry, weakref.ref[torch.Tensor]]] = field(default_factory=dict)
+    stepped: bool = False
+    """An optimizer stepped since the window opened."""
+    in_step: weakref.ref[torch.optim.Optimizer] | None = None
+    """The optimizer whose step runs the sampled forward (a closure), if any."""
+    in_step_ids: frozenset[int] = frozenset()
+    gaps: list[tuple[Entry, str]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Copy:
+    """A parameter's value before the running step (its own dtype and device), for every
+    window waiting for it."""
+
+    param: weakref.ref[torch.Tensor]
+    before: torch.Tensor
+    windows: list[tuple[UpdateWindow, Entry]]
+
+
+class OptimizerStepHook(HookObject):
+    """Global optimizer step pre- or post-hook, installed while an update window is open."""
+
+    __slots__ = ("post", "tracker")
+
+    def __init__(self, tracker: UpdateTracker, *, post: bool) -> None:
+        self.tracker = weakref.ref(tracker)
+        self.post = post
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        tracker = self.tracker()
+        if tracker is None:
+            return
+        if self.post:
+            tracker.post_step(optimizer)
+        else:
+            tracker.pre_step(optimizer)
+
+
+class UpdateTracker:
+    """Pairs each sampled forward with the first optimizer step that follows it.
+
+    A parameter's update is measured at the first step, after the window opened, of an
+    optimizer holding it; several optimizers each measure theirs. Copies of the values before
+    a step are bounded by ``budget`` bytes at any time; beyond it, parameters get unavailable
+    rows naming the budget.
+    """
+
+    def __init__(self, target: weakref.ref[ParameterTarget], budget: int) -> None:
+        self._target = target
+        self._budget = budget
+        self._host: weakref.ref[OptimizerHookHost] | None = None
+        self._lock = threading.RLock()
+        self._windows: list[UpdateWindow] = []
+        self._copies: dict[int, dict[int, _Copy]] = {}
+        self._held = 0
+        self._hooked = False
+        self._closed = False
+        self.waiting = False
+        """Read by the gate at every root forward: close stepped windows there."""
+
+    def bind(self, host: OptimizerHookHost) -> None:
+        self._host = weakref.ref(host)
+
+    @property
+    def open_windows(self) -> int:
+        """Windows waiting for an optimizer step (tests, diagnostics)."""
+        return len(self._windows)
+
+    # -- windows (training thread, during a sampled forward)
+
+    def open(self, window: UpdateWindow) -> None:
+        """Start waiting for the step that follows ``window``'s forward (or runs it)."""
+        optimizer = stepping_optimizer()
+        if optimizer is not None:
+            window.in_step = weakref.ref(optimizer)
+            window.in_step_ids = optimizer_parameter_ids(optimizer)
+        with self._lock:
+            if self._closed:
+                return
+            self._windows.append(window)
+            if not self._hooked:
+                host = None if self._host is None else self._host()
+                if host is not None:
+                    host.install_optimizer_hooks(
+                        OptimizerStepHook(self, post=False), OptimizerStepHook(self, post=True)
+                    )
+                    self._hooked = True
+
+    def add(self, window: UpdateWindow, key: int, entry: Entry, param: torch.Tensor) -> None:
+        """Wait for ``param``'s update in ``window``; inside a step's closure, copy it now."""
+        with self._lock:
+            window.pending[key] = (entry, weakref.ref(param))
+            optimizer = None if window.in_step is None else window.in_step()
+            if optimizer is not None and key in window.in_step_ids:
+                self._copy(optimizer, window, key, entry, param)
+
+    def _copy(
+        self,
+        optimizer: torch.optim.Optimizer,
+        window: UpdateWindow,
+        key: int,
+        entry: Entry,
+        param: torch.Tensor,
+    ) -> None:
+        copies = self._copies.setdefault(id(optimizer), {})
+        found = copies.get(key)
+        if found is not None:
+            if all(w is not window for w, _ in found.windows):
+                found.windows.append((window, entry))
+            return
+        value = local_tensor(param)
+        needed = value.numel() * value.element_size()
+        if self._held + needed > self._budget:
+            window.pending.pop(key, None)
+            window.gaps.append((entry, budget_reason(self._budget, needed, self._held)))
+            return
+        copies[key] = _Copy(weakref.ref(param), value.clone(), [(window, entry)])
+        self._held += needed
+
+    # -- optimizer steps (hooks torch calls)
+
+    def pre_step(self, optimizer: torch.optim.Optimizer) -> None:
+        target = self._target()
+        if target is None:
+            return
+        try:
+            with self._lock:
+                if not self._windows:
+                    return
+                ids = optimizer_parameter_ids(optimizer)
+                for window in self._windows:
+                    for key, (entry, ref) in list(window.pending.items()):
+                        param = ref()
+                        if key in ids and param is not None:
+                            self._copy(optimizer, window, key, entry, param)
+        except Exception as error:
+            target.errors.handle("parameter update capture", error)
+
+    def post_step(self, optimizer: torch.optim.Optimizer) -> None:
+        target = self._target()
+        if target is None:
+            return
+        ready: list[tuple[UpdateWindow, TensorBatch | None, list[tuple[Entry, str]]]] = []
+        try:
+            with self._lock:
+                copies = self._copies.pop(id(optimizer), {})
+                batches: dict[int, TensorBatch] = {}
+                stamp = now_us()
+                # One parameter at a time: its copy goes before the next difference is made.
+                for key in list(copies):
+                    copy = copies.pop(key)
+                    self._held -= copy.before.numel() * copy.before.element_size()
+                    param = copy.param()
+                    if param is None:
+                        continue
+                    delta = difference(local_tensor(param), copy.before)
+                    del copy.before
+                    for window, entry in copy.windows:
+                        if window.pending.pop(key, None) is None:
+                            continue
+                        batch = batches.get(id(window))
+                        if batch is None:
+                            batch = batches[id(window)] = target.new_batch()
+                        add_entry(batch, measured_entry(entry, delta, stamp), delta)
+                for window in self._windows:
+                    window.stepped = True
+                    batch = batches.get(id(window))
+                    if batch is not None or window.gaps:
+                        ready.append((window, batch, window.gaps))
+                        window.gaps = []
+                self._windows = [w for w in self._windows if w.pending]
+                self.waiting = True  # hooks are removed at the next root forward, not in here
+        except Exception as error:
+            target.errors.handle("parameter update capture", error)
+        self._emit(target, ready)
+
+    def _emit(
+        self,
+        target: ParameterTarget,
+        ready: Sequence[tuple[UpdateWindow, TensorBatch | None, Sequence[tuple[Entry, str]]]],
+    ) -> None:
+        for window, batch, gaps in ready:
+            try:
+                target.finish_parameters(
+                    "parameter_update",
+                    window.sample_id,
+                    window.forward_index,
+                    batch if batch is not None else target.new_batch(),
+                    gaps,
+                )
+            except Exception as error:
+                target.errors.handle("parameter update emission", error)
+
+    # -- closing windows
+
+    def root_forward(self) -> None:
+        """A root forward starts: a window whose step came and went gives up on the parameters
+        no optimizer updated; when no window is left, the optimizer hooks go."""
+        target = self._target()
+        ready: list[tuple[UpdateWindow, TensorBatch | None, Sequence[tuple[Entry, str]]]] = []
+        with self._lock:
+            self.waiting = False
+            keep = []
+            for window in self._windows:
+                if window.stepped:
+                    gaps = [
+                        *window.gaps,
+                        *((e, NO_OPTIMIZER_REASON) for e, _ in window.pending.values()),
+                    ]
+                    window.pending.clear()
+                    ready.append((window, None, gaps))
+                else:
+                    keep.append(window)
+            self._windows = keep
+            if not keep:
+                self._unhook()
+        if target is not None and not target.closed:
+            self._emit(target, ready)
+
+    def _unhook(self) -> None:
+        if self._hooked:
+            host = None if self._host is None else self._host()
+            if host is not None:
+                host.remove_optimizer_hooks()
+            self._hooked = False
+
+    def close(self) -> list[tuple[UpdateWindow, Sequence[tuple[Entry, str]]]]:
+        """The observer is removed: no more windows; return the open ones' unavailable rows."""
+        with self._lock:
+            self._closed = True
+            left: list[tuple[UpdateWindow, Sequence[tuple[Entry, str]]]] = []
+            for window in self._windows:
+                reason = NO_OPTIMIZER_REASON if window.stepped else REMOVED_REASON
+                gaps = [*window.gaps, *((e, reason) for e, _ in window.pending.values())]
+                if gaps:
+                    left.append((window, gaps))
+            self._windows = []
+            self._copies.clear()
+            self._held = 0
+            self.waiting = False
+            self._hooked = False  # the gate removes the hooks themselves
+        return left
+
+
+__all__ = [
+    "DEFAULT_UPDATE_BUDGET_BYTES",
+    "NO_OPTIMIZER_REASON",
+    "REMOVED_REASON",
+    "OptimizerHook",
+    "OptimizerHookHost",
+    "OptimizerStepHook",
+    "UpdateTracker",
+    "UpdateWindow",
+    "budget_reason",
+    "difference",
+    "optimizer_parameter_ids",
+    "stepping_optimizer",
+]

@@ -1,0 +1,8 @@
+"""ti-trainers test configuration: the helpers module on sys.path."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
