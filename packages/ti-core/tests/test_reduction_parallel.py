@@ -9,17 +9,17 @@ arrays stay small.
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import threading
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from _core_helpers import reference
 
-from ti_core import AlwaysSampler, MemorySink, inject_observer, observer_of, remove_observer
-from ti_core.capture import batch
 from ti_core.reduction import numpy_histograms, numpy_rows
 from ti_core.reduction.numpy_rows import BLOCK
 
@@ -101,63 +101,73 @@ def test_split_pass_is_bit_identical_and_exact(name: str) -> None:
         assert list(split_hist[-30:]) == counts.tolist()
 
 
-class _Emit(torch.nn.Module):
-    def __init__(self, tensor: torch.Tensor) -> None:
-        super().__init__()
-        self.tensor = tensor
+# Run in a fresh process: once torch has run a parallel region on two threads, a later fork
+# (test_emission's forked child) may hang in the OpenMP pool it inherits.
+_PROBE = """
+import json, sys, threading
+import numpy as np, torch
+from ti_core import AlwaysSampler, MemorySink, inject_observer, observer_of, remove_observer
+from ti_core.capture import batch
+from ti_core.reduction import numpy_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tensor
+a = np.load(sys.argv[1])
+batch.SNAPSHOT_BUDGET_BYTES = numpy_rows.BLOCK  # reduced on the capturing thread
+numpy_rows.PARALLEL_MIN = 2 * numpy_rows.BLOCK
+scan_blocks = numpy_rows._scan_blocks
+names = set()
 
+def spy(*args):
+    names.add(threading.current_thread().name)
+    return scan_blocks(*args)
 
-def _observed_rows(tensor: torch.Tensor, threads: int) -> tuple[list[Any], list[Any], set[str]]:
-    """One sample of ``tensor`` (too large to snapshot) under ``torch.set_num_threads``:
-    history and histogram rows, and the names of the threads that scanned it."""
-    names: set[str] = set()
-    scan_blocks = numpy_rows._scan_blocks
+numpy_rows._scan_blocks = spy
 
-    def spy(*args: Any) -> Any:
-        names.add(threading.current_thread().name)
-        return scan_blocks(*args)
+class Emit(torch.nn.Module):
+    def forward(self, x):
+        return torch.from_numpy(a)
 
-    model = _Emit(tensor)
-    sink = MemorySink()
-    before = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(numpy_rows, "_scan_blocks", spy)
-        torch.set_num_threads(threads)
-        inject_observer(
-            model, output_dir=None, sink=sink, sampler=AlwaysSampler(), error_policy="raise"
-        )
-        try:
-            observer = observer_of(model)
-            assert observer is not None
-            model(torch.zeros(1))
-            observer.drain()
-        finally:
-            remove_observer(model)
-            torch.set_num_threads(before)
-    history = sorted(
-        (r["metric"], r["value"], r["unavailable_reason"]) for r in sink.table().to_pylist()
+out = {}
+for threads in (1, 2):
+    names.clear()
+    torch.set_num_threads(threads)
+    model, sink = Emit(), MemorySink()
+    inject_observer(
+        model, output_dir=None, sink=sink, sampler=AlwaysSampler(), error_policy="raise"
     )
+    model(torch.zeros(1))
+    observer_of(model).drain()
+    remove_observer(model)
     fields = ("bucket_limits", "bucket_counts", "min", "max", "sum", "sum_squares", "num")
-    histograms = [[r[k] for k in fields] for r in sink.histograms().to_pylist()]
-    return history, histograms, names
+    out[threads] = {
+        "history": sorted(
+            [r["metric"], r["value"], r["unavailable_reason"]] for r in sink.table().to_pylist()
+        ),
+        "histograms": [[r[k] for k in fields] for r in sink.histograms().to_pylist()],
+        "threads": sorted(names),
+        "main": threading.current_thread().name,
+    }
+print(json.dumps(out))
+"""
 
 
-def test_capture_splits_only_where_torch_may_use_two_threads(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(batch, "SNAPSHOT_BUDGET_BYTES", BLOCK)  # reduced on the capturing thread
+def test_capture_splits_only_where_torch_may_use_two_threads(tmp_path: Path) -> None:
     a = _arrays()["mixed"]
-    one = _observed_rows(torch.from_numpy(a), threads=1)
-    two = _observed_rows(torch.from_numpy(a), threads=2)
-    assert one[2] == {threading.current_thread().name}
-    assert two[2] == {threading.current_thread().name, "ti-core reduction"}
-    assert one[0] == two[0]  # bit for bit
-    assert one[1] == two[1]
+    np.save(tmp_path / "a.npy", a)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(tmp_path / "a.npy")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    one, two = got["1"], got["2"]
+    assert one["threads"] == [one["main"]]
+    assert two["threads"] == sorted([two["main"], "ti-core reduction"])
+    assert one["history"] == two["history"]  # bit for bit (floats round-trip through JSON)
+    assert one["histograms"] == two["histograms"]
+    assert len(one["histograms"]) == 1
     want = reference(a)
-    assert len(one[1]) == 1
-    got = {metric: value for metric, value, _ in one[0]}
+    values = {metric: value for metric, value, _ in one["history"]}
     for metric in ("min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction"):
-        assert got[metric] == want[metric], metric
+        assert values[metric] == want[metric], metric

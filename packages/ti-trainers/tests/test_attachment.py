@@ -89,6 +89,8 @@ def test_options_are_inject_observers_and_checked_at_construction() -> None:
         "error_policy",
         "capture_direct_forwards",
         "handle_sigterm",
+        "signals",
+        "update_budget_bytes",
     }
     with pytest.raises(TypeError, match=r"unexpected keyword argument.*outputdir"):
         Attachment({"outputdir": "x"}, "Cb")
