@@ -26,7 +26,7 @@ from _io_helpers import make_run
 from ti_io import DirectorySink, HistoryConfig
 from ti_io.cli import main
 from ti_io.compare import compare_runs, compare_series, open_runs, unshared
-from ti_schema import SchemaMismatchError, history_schema
+from ti_schema import SCHEMA_VERSION, SchemaMismatchError, history_schema
 from ti_schema.layout import HISTORY_FILE
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
@@ -263,11 +263,11 @@ def test_runs_of_different_contract_minors_compare_and_another_major_is_refused(
     new = write_run(tmp_path / "new", {("fc1", "output", "std"): [1.0, 2.0]})
     old = write_run(tmp_path / "old", {("fc1", "output", "std"): [1.0, 4.0]})
     _rewrite_contract(old / HISTORY_FILE, "1.0")
-    assert [r.contract_version for r in open_runs([new, old])] == ["1.1", "1.0"]
+    assert [r.contract_version for r in open_runs([new, old])] == [SCHEMA_VERSION, "1.0"]
     assert compare_runs([new, old]).get_column("latest").to_list() == [2.0, 4.0]
     assert main(["compare", str(new), str(old)]) == 0
     header = capsys.readouterr().out.splitlines()[:3]
-    assert "contract 1.1" in header[1]
+    assert f"contract {SCHEMA_VERSION}" in header[1]
     assert "contract 1.0" in header[2]
 
     _rewrite_contract(old / HISTORY_FILE, "2.0")
