@@ -179,12 +179,49 @@ def pinned() -> dict[str, Any]:
     return data
 
 
+# The pins were written under numpy 2. numpy 1.x adds float64 arrays in another order, so under
+# it the sums (mean, std, a histogram's sum and sum of squares) may differ in the last bits
+# (seen: 2-4 ulp on f64_nan_inf_9000 and f64_normal_70000 with numpy 1.26, the floor); they
+# are then held to float64 rounding, and every other value still to the bit.
+PINNED_NUMPY_MAJOR = 2
+SUMS = {"history": ("mean", "std"), "histogram": ("sum", "sum_squares")}
+
+
+def _close(got: str | None, pinned: str | None) -> bool:
+    a, b = _float(got), _float(pinned)
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=1e-13, abs_tol=0.0)
+
+
+def _equal_up_to_sums(got: dict[str, Any], pinned: dict[str, Any]) -> list[str]:
+    """The fields of one case that differ: sums beyond float64 rounding, anything else at all."""
+    differ = [section for section in pinned if set(got.get(section, {})) != set(pinned[section])]
+    for section, values in pinned.items():
+        for key, expected in values.items():
+            mine = got.get(section, {}).get(key)
+            if key not in SUMS.get(section, ()):
+                same = mine == expected
+            elif section == "history":
+                same = mine is not None and mine[1] == expected[1] and _close(mine[0], expected[0])
+            else:
+                same = _close(mine, expected)
+            if not same:
+                differ.append(f"{section}.{key}")
+    return differ
+
+
 @pytest.mark.parametrize("error_policy", ["warn", "raise"], ids=["worker", "inline"])
 def test_rows_equal_the_pinned_rows_bit_for_bit(pinned: dict[str, Any], error_policy: str) -> None:
     got = measured(error_policy)
     assert sorted(got) == sorted(pinned)
+    exact_sums = int(np.__version__.split(".")[0]) == PINNED_NUMPY_MAJOR
     for name, expected in pinned.items():
-        assert got[name] == expected, name
+        if exact_sums:
+            assert got[name] == expected, name
+        else:
+            assert sorted(got[name]) == sorted(expected), name
+            assert _equal_up_to_sums(got[name], expected) == [], name
 
 
 def _float(value: str | None) -> float | None:
