@@ -23,6 +23,17 @@ When ``torchinstruments`` (the released 0.8.0 wheel) is importable by ``--baseli
 Each target line also gives the bare step time of its workload (median and range over rounds):
 a fixed observer cost is a larger share of a fast bare step, so a reader can see which end of
 the machine's speed the run was at.
+
+``--reference-python PY`` measures a second ti-core, the one PY imports (for example a venv
+holding another commit's packages), as impl ``ti-ref`` in the same interleaved rounds, with the
+same harness and workloads, and prints a before/after table: per round, this tree's ratio over
+the reference's (both against the same bare step), so "is this change slower?" is answered in
+one run:
+
+    git worktree add /tmp/before <commit> && python -m venv /tmp/before-venv
+    /tmp/before-venv/bin/pip install -c constraints/torch.txt psutil numpy \
+        /tmp/before/packages/ti-schema /tmp/before/packages/ti-core /tmp/before/packages/ti-io
+    python benchmarks/run.py --no-baseline --reference-python /tmp/before-venv/bin/python
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ WORKLOADS = ("sequence", "many", "large", "history", "conv", "transformer")
 CONFIGS = ("bare", "unsampled", "every", "every-memory", "interval")
 HISTORY_ROWS, HISTORY_ROWS_QUICK = 900_000, 90_000
 BASELINE = "ti-0.8.0"
+REFERENCE = "ti-ref"
 
 COLUMNS = (
     "run",
@@ -191,6 +203,73 @@ def _run_worker(python: str, spec: dict[str, Any], timeout: float) -> dict[str, 
             return result
     tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
     return {"error": f"worker exited {done.returncode}: {' | '.join(tail)}"}
+
+
+def _ti_core_at(python: str) -> str:
+    """Where ``python`` imports ti_core from (so a reader sees which trees were compared)."""
+    probe = "import ti_core, os; print(os.path.dirname(ti_core.__file__))"
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "ti_core not importable"
+
+
+def against_reference(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, float] | None:
+    """This tree's cost over the reference tree's for one configuration: per round, its ratio to
+    bare over the reference's ratio to the same round's bare (so the bare step cancels), or for
+    the ``history`` finalization (no bare step) its finalize time over the reference's; the
+    median over rounds and the rounds' min-max. None without a round where both measured."""
+    key = "round_removal_s" if row["config"] == "finalize" else "round_ratios"
+
+    def per_round(r: dict[str, Any]) -> list[float | None]:
+        return [float(v) if v else None for v in str(r.get(key) or "").split(";")]
+
+    pairs = [
+        a / b
+        for a, b in zip(per_round(row), per_round(ref), strict=False)
+        if a is not None and b is not None and b > 0
+    ]
+    if not pairs:
+        return None
+    return {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs)}
+
+
+def _print_reference(rows: list[dict[str, Any]]) -> None:
+    """The before/after table of ``--reference-python``: one line per configuration."""
+    print(f"\nThis tree (ti) against the reference tree ({REFERENCE}), same rounds, same bare step")
+    print(
+        f"  {'workload':<12}{'config':<14}{'sink':<7}{'ti':>9}{REFERENCE:>9}{'ti/ref':>9}  rounds"
+    )
+    for row in rows:
+        if row["impl"] != "ti":
+            continue
+        ref = next(
+            (
+                r
+                for r in rows
+                if r["impl"] == REFERENCE
+                and (r["workload"], r["config"], r["sink"], r["device"])
+                == (row["workload"], row["config"], row["sink"], row["device"])
+            ),
+            None,
+        )
+        if ref is None:
+            continue
+        got = against_reference(row, ref)
+        change = "-" if got is None else f"{got['median']:.3f}"
+        spread = "-" if got is None else f"{got['min']:.3f}-{got['max']:.3f}"
+        print(
+            f"  {row['workload']:<12}{row['config']:<14}{row['sink']:<7}"
+            f"{_cost(row):>9}{_cost(ref):>9}{change:>9}  {spread}"
+        )
+    print(
+        "(ti, ti-ref: ratio to bare, or finalize seconds; ti/ref < 1: this tree is cheaper, per"
+        " round against that round's bare step; rounds: min-max of ti/ref)"
+    )
+
+
+def _cost(row: dict[str, Any]) -> str:
+    if row["config"] == "finalize":
+        return _fmt(row.get("removal_s"), ".2f") + "s"
+    return _fmt(row.get("ratio"), ".3f")
 
 
 def _plan(args: argparse.Namespace, workload: str) -> dict[str, Any]:
@@ -524,20 +603,25 @@ def _specs(args: argparse.Namespace, baseline: bool) -> list[list[dict[str, Any]
         groups.append(specs)
         if workload == "history":
             rows = args.history_rows or (HISTORY_ROWS_QUICK if args.quick else HISTORY_ROWS)
-            specs.append(
-                {
-                    "workload": "history",
-                    "config": "finalize",
-                    "label": "finalize",
-                    "impl": "ti",
-                    "sink": "dir",
-                    "rows": rows,
-                    "device": "cpu",
-                }
-            )
+            for impl in ["ti", *([REFERENCE] if args.reference_python else [])]:
+                specs.append(
+                    {
+                        "workload": "history",
+                        "config": "finalize",
+                        "label": "finalize",
+                        "impl": impl,
+                        "sink": "dir",
+                        "rows": rows,
+                        "device": "cpu",
+                    }
+                )
             continue
         plan = _plan(args, workload)
-        impls = ["ti", *([BASELINE] if baseline else [])]
+        impls = [
+            "ti",
+            *([REFERENCE] if args.reference_python else []),
+            *([BASELINE] if baseline else []),
+        ]
         for config in args.configs:
             for impl in impls if config != "bare" else ["ti"]:
                 if config == "every-memory" and impl == BASELINE:
@@ -595,6 +679,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="interpreter that can import torchinstruments 0.8.0",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip torchinstruments")
+    parser.add_argument(
+        "--reference-python",
+        help=f"interpreter whose ti_core (another tree's install) runs as impl {REFERENCE!r} "
+        "beside this one, with a before/after table",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
     args = parser.parse_args(argv)
     preset: dict[str, Any] = TARGETS_PRESET if args.targets else {}
@@ -638,6 +727,11 @@ def main(argv: list[str] | None = None) -> int:
         f"baseline {BASELINE}: "
         + (f"yes ({args.baseline_python})" if baseline else "not importable, skipped")
     )
+    if args.reference_python:
+        print(
+            f"reference {REFERENCE}: {args.reference_python} ({_ti_core_at(args.reference_python)})"
+        )
+        print(f"this tree ti: {sys.executable} ({_ti_core_at(sys.executable)})")
     print(f"{args.rounds} round(s) per workload, alternately in forward and reversed order")
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -649,7 +743,9 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(args.rounds):
             for i in round_order(list(range(len(group))), index):
                 spec = group[i]
-                python = args.baseline_python if spec.get("impl") == BASELINE else sys.executable
+                python = {BASELINE: args.baseline_python, REFERENCE: args.reference_python}.get(
+                    spec.get("impl", "ti"), sys.executable
+                )
                 label = f"{spec['workload']}/{spec['config']}/{spec.get('impl')}/{spec.get('sink')}"
                 print(f"  round {index + 1}/{args.rounds} {label} ...", end="", flush=True)
                 t0 = time.perf_counter()
@@ -662,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = _apply_targets(rows)
     print()
     _print_table(rows, checks, baseline)
+    if args.reference_python:
+        _print_reference(rows)
     output = args.output or HERE / "results" / f"{run_id}.csv"
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("w", newline="") as handle:

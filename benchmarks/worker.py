@@ -2,8 +2,8 @@
 
 Run by ``benchmarks/run.py`` as ``python benchmarks/worker.py '<json spec>'``, one process per
 configuration so no allocator, hook, thread or import state leaks from one measurement into the
-next. Spec keys: workload, config (bare | unsampled | every | interval), impl (ti | ti-0.8.0),
-sink (dir | memory), device, warmup, steps, repeats, interval_steps.
+next. Spec keys: workload, config (bare | unsampled | every | interval), impl (ti | ti-ref |
+ti-0.8.0), sink (dir | memory), device, warmup, steps, repeats, interval_steps.
 """
 
 from __future__ import annotations
@@ -34,16 +34,21 @@ import workloads
 QUARTILES = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 
 
+BASELINE = "ti-0.8.0"
+REFERENCE = "ti-ref"
+"""ti_core of another tree (run.py --reference-python): the same harness, another install."""
+
+
 class _Impl:
     """The observer implementation under test: this monorepo's ti_core, or torchinstruments."""
 
     def __init__(self, impl: str) -> None:
         self.name = impl
-        if impl == "ti":
+        if impl in ("ti", REFERENCE):
             import ti_core
 
             self.mod: Any = ti_core
-        elif impl == "ti-0.8.0":
+        elif impl == BASELINE:
             import torchinstruments
 
             self.mod = torchinstruments
@@ -76,10 +81,17 @@ class _Impl:
         sampled signals on its emission worker, which must not be left out of a timed block
         (nor leak into the next one). torchinstruments 0.8.0 works inline: nothing to wait for.
         """
-        if self.name == "ti":
-            observer = self.mod.observer_of(model)
-            if observer is not None:
-                observer.drain()
+        if self.name == BASELINE:
+            return
+        observer_of = getattr(self.mod, "observer_of", None)
+        if observer_of is not None:
+            observer = observer_of(model)
+        else:  # a --reference-python tree from before issue 13, which added observer_of
+            from ti_core.observer import ATTRIBUTE
+
+            observer = model.__dict__.get(ATTRIBUTE)
+        if observer is not None:
+            observer.drain()
 
 
 def _sync(device: str) -> None:

@@ -243,3 +243,81 @@ def test_bare_speed_gives_the_median_and_range_over_rounds(harness: ModuleType) 
         "bare 1.52 ms (1.41-2.03)"
     )
     assert harness.bare_speed([bare], "large", "cpu") == ""
+
+
+def test_against_reference_divides_same_round_ratios(harness: ModuleType) -> None:
+    # Per round, this tree's ratio over the reference's (both against that round's bare step).
+    ti = np.array([2.0, 2.4, 3.1])
+    ref = np.array([2.5, 2.0, 3.1])
+    row = {"config": "every", "round_ratios": ";".join(f"{r:.4f}" for r in ti)}
+    got = harness.against_reference(
+        row, {"config": "every", "round_ratios": ";".join(f"{r:.4f}" for r in ref)}
+    )
+    per_round = ti / ref
+    assert got["median"] == pytest.approx(float(np.median(per_round)))
+    assert got["min"] == pytest.approx(float(per_round.min()))
+    assert got["max"] == pytest.approx(float(per_round.max()))
+    # A round that one side did not measure is left out; none in common gives None.
+    gap = harness.against_reference(
+        {"config": "every", "round_ratios": "2.0000;;3.0000"},
+        {"config": "every", "round_ratios": ";1.5000;1.5000"},
+    )
+    assert gap == {"median": 2.0, "min": 2.0, "max": 2.0}
+    assert (
+        harness.against_reference(
+            {"config": "every", "round_ratios": "2.0000;"},
+            {"config": "every", "round_ratios": ";1.5000"},
+        )
+        is None
+    )
+    # The finalization has no bare step: its seconds are compared.
+    finalize = harness.against_reference(
+        {"config": "finalize", "round_removal_s": "1.0000;3.0000"},
+        {"config": "finalize", "round_removal_s": "2.0000;2.0000"},
+    )
+    assert finalize == {"median": 1.0, "min": 0.5, "max": 1.5}
+
+
+def test_reference_python_runs_a_second_tree_in_the_same_rounds(tmp_path: Path) -> None:
+    # The reference interpreter is this one here (a real comparison passes another tree's venv):
+    # every observed configuration runs once per tree, and the before/after table is printed.
+    output = tmp_path / "bench.csv"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(RUN),
+            "--quick",
+            "--workloads",
+            "sequence",
+            "--configs",
+            "bare,every-memory",
+            "--repeats",
+            "2",
+            "--every-steps",
+            "1",
+            "--warmup",
+            "1",
+            "--no-baseline",
+            "--reference-python",
+            sys.executable,
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    with output.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["impl"], r["config"], r["sink"]) for r in rows] == [
+        ("-", "bare", "-"),
+        ("ti", "every", "memory"),
+        ("ti-ref", "every", "memory"),
+    ]
+    assert all(r["error"] == "" and float(r["ratio"]) > 0 for r in rows[1:])
+    assert all(int(r["history_rows"]) > 0 for r in rows[1:])
+    assert "This tree (ti) against the reference tree (ti-ref)" in done.stdout
+    table = done.stdout.split("This tree (ti) against the reference tree (ti-ref)")[1]
+    assert table.count("sequence") == 1

@@ -3,28 +3,22 @@ how its rows say so (docs/data-contract.md, "Signals")."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
-from typing import Final
 
 import torch
 
-
-def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():  # pragma: no cover - depends on the torch build
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - depends on the torch build
-        return None
-    return DTensor
-
-
-_DTENSOR: Final = _dtensor_type()
+# Looked up, never imported: importing torch.distributed.tensor costs about 0.4 s and 40 MB
+# (sympy, symbolic shapes) in every process, and a DTensor can only exist once whoever made it
+# (FSDP2, tensor parallelism, the user) has imported that module.
+_DTENSOR_MODULE = "torch.distributed.tensor"
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor (each rank holds a local part, e.g. FSDP2's shards)."""
-    return _DTENSOR is not None and isinstance(tensor, _DTENSOR)
+    module = sys.modules.get(_DTENSOR_MODULE)
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
