@@ -56,6 +56,7 @@ IDENTITY = (
     "unavailable_reason",
 )
 HIST_IDENTITY = (*IDENTITY[:-2], "num", "nonfinite_count")
+METRIC = IDENTITY.index("metric")
 
 Rows = dict[tuple[Any, ...], float | None]
 
@@ -116,10 +117,19 @@ def _assert_rows_equal(got: Rows, want: Rows, rtol: float = 1e-4) -> None:
         f"missing {sorted(want.keys() - got.keys(), key=repr)[:3]}, "
         f"extra {sorted(got.keys() - want.keys(), key=repr)[:3]}"
     )
-    keys = sorted(want, key=repr)
-    g = np.array([np.nan if got[k] is None else got[k] for k in keys])
-    w = np.array([np.nan if want[k] is None else want[k] for k in keys])
-    np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6)
+    # zero_fraction counts entries that are exactly zero, so it is not continuous in the
+    # values: an entry that is zero in eager may be a rounding residue (~1e-9) in a fused
+    # compiled kernel and the reverse (seen on an AVX-512 CPU: 8 to 16 of 1,536 entries of the
+    # gradient into a causal attention's qkv projection, where the first token's softmax is
+    # exactly 1). It is held to a few percent of the entries; every other metric to rtol.
+    for metric, atol in (("zero_fraction", 1 / 32), (None, 1e-6)):
+        keys = sorted(
+            (k for k in want if (k[METRIC] == "zero_fraction") == (metric is not None)), key=repr
+        )
+        assert keys, metric
+        g = np.array([np.nan if got[k] is None else got[k] for k in keys])
+        w = np.array([np.nan if want[k] is None else want[k] for k in keys])
+        np.testing.assert_allclose(g, w, rtol=0 if metric else rtol, atol=atol)
 
 
 def _assert_histograms_equal(got: dict[Any, Any], want: dict[Any, Any]) -> None:

@@ -159,6 +159,32 @@ def test_empty_all_nan_and_inf_tensors_explain_their_nulls() -> None:
             assert m.available[i, j] == (m.reasons[i][j] is None)
 
 
+def test_zeros_are_written_as_positive_zero() -> None:
+    """-0.0 and +0.0 are equal, and which one an order statistic of a tensor holding both
+    picks depends on the sort or selection code numpy dispatches to for the CPU: every zero is
+    written as +0.0, so rows do not depend on the machine. Small and large (over 65,536
+    entries) tensors, all negative zeros and a mix."""
+    col = {n: j for j, n in enumerate(DEFAULT_METRICS)}
+    mixed = torch.zeros(9)
+    mixed[::2] = -0.0
+    tensors = [
+        torch.full((7,), -0.0),
+        mixed,
+        torch.full((70_001,), -0.0),
+        torch.tensor([-0.0, 0.0] * 40_000),
+        torch.full((5,), -0.0, dtype=torch.float64),
+    ]
+    m = reduce_default(tensors)
+    for i, t in enumerate(tensors):
+        assert torch.signbit(t).any(), i  # the inputs do hold negative zeros
+        for name in FINITE:
+            value = m.values[i, col[name]]
+            assert m.available[i, col[name]], (i, name)
+            assert value == 0.0, (i, name, value)
+            assert not math.copysign(1.0, value) < 0, (i, name, value.hex())
+        assert m.values[i, col["zero_fraction"]] == 1.0
+
+
 def test_zero_dim_noncontiguous_and_grad_tensors() -> None:
     base = torch.randn(6, 10, dtype=torch.float64)
     views = [

@@ -259,7 +259,10 @@ class ReductionPlan:
         vals = block[:, self._default_cols]
         no_finite = (block[:, layout.FINITE_COUNT] <= 0)[:, None] & self._over_finite[None, :]
         ok = np.isfinite(vals) & ~no_finite
-        out.values[rows[:, None], cols[None, :]] = np.where(ok, vals, np.nan)
+        # + 0.0 writes every zero as +0.0: which of -0.0 and +0.0 an order statistic picks from
+        # a tensor holding both depends on the sort or selection code numpy dispatches to for
+        # this CPU (AVX-512 or not), and the rows must not.
+        out.values[rows[:, None], cols[None, :]] = np.where(ok, vals + 0.0, np.nan)
         out.available[rows[:, None], cols[None, :]] = ok
         for r, c in zip(*np.nonzero(~ok), strict=True):
             reason = NO_FINITE_REASON if no_finite[r, c] else OVERFLOW_REASON
