@@ -46,6 +46,10 @@ TEST_EXTRAS: Final[Mapping[str, tuple[str, ...]]] = {
 """Extras a package's own tests need (``ti compare --plot`` draws with matplotlib; the callbacks
 and the examples exercise Lightning and Transformers)."""
 
+MUTATION_PACKAGES: Final[tuple[str, ...]] = ("ti-core", "ti-io")
+"""Packages with a ``[tool.mutmut]`` table: the modules that decide what users read (ti-core's
+reductions and histograms; ti-io's parts, consolidation, digest and result.json)."""
+
 INDUCTOR_CACHE: Final[Path] = ROOT / ".nox" / "inductor-cache"
 """One on-disk torch.compile (inductor) cache for every test session: ti-core's compiled-capture
 tests compile the same tiny graphs in tests(ti-core), minimums and wheels; only the first pays
@@ -269,3 +273,74 @@ def declared_requires(package: str) -> set[str]:
             req = Requirement(f"{raw}; {marker}" if req.marker is None else f"{raw} and {marker}")
             declared.add(str(req))
     return declared
+
+
+# --- mutation testing (nox -s mutation) ----------------------------------------------------------
+
+# mutmut's statuses that count as the tests catching the mutant (a timeout is a mutant the tests
+# noticed by hanging), and those that say nothing about the tests (not run yet, skipped).
+_CAUGHT: Final[frozenset[str]] = frozenset({"killed", "timeout", "caught by type check"})
+_UNJUDGED: Final[frozenset[str]] = frozenset({"not checked", "skipped"})
+
+
+def mutation_workdir(tmp: Path, package: str) -> Path:
+    """A copy of ``packages/<package>`` under ``tmp`` for mutmut to work in (it writes
+    ``mutants/`` next to the sources). An earlier copy's ``mutants/`` is kept, so a rerun
+    continues; the sources and tests are refreshed from the tree."""
+    work = tmp / "mutation" / package
+    shutil.copytree(
+        PACKAGES_DIR / package,
+        work,
+        dirs_exist_ok=True,
+        ignore=shutil.ignore_patterns("mutants", "__pycache__", ".pytest_cache", "*.egg-info"),
+    )
+    return work
+
+
+def mutant_module(name: str) -> str:
+    """The module of a mutmut mutant name: ``ti_io.parts.xǁPartWriterǁ_run__mutmut_3`` and
+    ``ti_io.parts.x_conform__mutmut_1`` are both ``ti_io.parts``."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith(("x_", "xǁ")):
+            return ".".join(parts[:i])
+    raise ValueError(f"not a mutmut mutant name: {name!r}")
+
+
+def mutation_scores(listing: str) -> dict[str, dict[str, Any]]:
+    """Per module, from ``mutmut results --all true``: the count of each status, ``judged``
+    (mutants the tests ran against), ``caught`` and ``score`` (caught / judged; None when none
+    was judged) and the names of the survivors."""
+    modules: dict[str, dict[str, Any]] = {}
+    for line in listing.splitlines():
+        if not line.strip() or ": " not in line:
+            continue
+        name, status = (x.strip() for x in line.rsplit(": ", 1))
+        entry = modules.setdefault(mutant_module(name), {"statuses": {}, "survivors": []})
+        entry["statuses"][status] = entry["statuses"].get(status, 0) + 1
+        if status not in _CAUGHT | _UNJUDGED:
+            entry["survivors"].append(f"{name}: {status}")
+    for entry in modules.values():
+        statuses = entry["statuses"]
+        judged = sum(n for status, n in statuses.items() if status not in _UNJUDGED)
+        caught = sum(n for status, n in statuses.items() if status in _CAUGHT)
+        entry.update(
+            mutants=sum(statuses.values()),
+            judged=judged,
+            caught=caught,
+            score=round(caught / judged, 4) if judged else None,
+        )
+    return modules
+
+
+def format_mutation_scores(scores: Mapping[str, Mapping[str, Any]]) -> str:
+    """One line per module: mutants, judged, caught, score and the statuses."""
+    lines = [f"{'module':<36}{'mutants':>8}{'judged':>8}{'caught':>8}{'score':>8}  statuses"]
+    for module, entry in sorted(scores.items()):
+        score = "-" if entry["score"] is None else f"{entry['score']:.1%}"
+        statuses = ", ".join(f"{k} {v}" for k, v in sorted(entry["statuses"].items()))
+        lines.append(
+            f"{module:<36}{entry['mutants']:>8}{entry['judged']:>8}{entry['caught']:>8}"
+            f"{score:>8}  {statuses}"
+        )
+    return "\n".join(lines)

@@ -10,6 +10,7 @@ changes nothing on the machine: interpreters are looked up, not linked, and PATH
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -240,6 +241,34 @@ def properties(session: nox.Session) -> None:
     env = {**helpers.TEST_ENV, "TI_HYPOTHESIS_PROFILE": "properties"}
     for paths in PROPERTY_TESTS:  # one pytest per package: each tests folder has its own conftest
         session.run("pytest", *paths, "-p", "no:cacheprovider", *session.posargs, env=env)
+
+
+MUTMUT = "mutmut==3.8.1"
+"""Exact, like the linters: a new mutmut may generate other mutants and move the scores."""
+
+
+@nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never", default=False)
+@nox.parametrize("package", list(helpers.MUTATION_PACKAGES))
+def mutation(session: nox.Session, package: str) -> None:
+    """mutmut over the modules of ``package`` whose numbers users read (``[tool.mutmut]`` in
+    its pyproject.toml names them and the tests that judge them), in a copy of the package so
+    ``mutants/`` never lands in the tree. Prints the score of each module and writes
+    ``.nox/reports/mutation-<package>.json``. Arguments after ``--`` go to ``mutmut run``
+    (mutant names or globs, e.g. ``"ti_io.digest*"``, or ``--max-children N``); a rerun in the
+    same environment continues where the last one stopped."""
+    closure = helpers.closure(package, helpers.TEST_EXTRAS.get(package, ()))
+    helpers.install(session, MUTMUT, *TEST_TOOLS, *helpers.source_args(closure))
+    work = helpers.mutation_workdir(Path(session.create_tmp()), package)
+    env = dict(helpers.TEST_ENV)
+    with session.chdir(work):
+        session.run("mutmut", "run", *session.posargs, env=env)
+        listing = session.run("mutmut", "results", "--all", "true", silent=True, env=env)
+    scores = helpers.mutation_scores(str(listing or ""))
+    session.log(helpers.format_mutation_scores(scores))
+    helpers.REPORTS.mkdir(parents=True, exist_ok=True)
+    report = helpers.REPORTS / f"mutation-{package}.json"
+    report.write_text(json.dumps(scores, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    session.log(f"wrote {report.relative_to(ROOT)}; survivors: `mutmut show NAME` in {work}")
 
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never", default=False)

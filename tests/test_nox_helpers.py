@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
@@ -55,3 +56,47 @@ def test_interpreter_lookup_only_reads(helpers: ModuleType) -> None:
     assert spec == "3.11" or Path(spec).name == "python3.11"
     assert helpers.interpreter("2.99") == "2.99"  # not installed: nox skips it
     assert os.environ.get("PATH") == path_before
+
+
+def test_mutation_scores_count_each_module_from_mutmut_results(helpers: ModuleType) -> None:
+    # The lines `mutmut results --all true` prints (functions and methods, every status).
+    listing = "\n".join(
+        [
+            "    ti_io.parts.x_conform__mutmut_1: killed",
+            "    ti_io.parts.x_conform__mutmut_2: survived",
+            "    ti_io.parts.xǁPartWriterǁ_run__mutmut_3: timeout",
+            "    ti_io.parts.xǁPartWriterǁ_run__mutmut_4: not checked",
+            "    ti_io.digest.x_digest__mutmut_1: killed",
+            "    ti_io.digest.x_digest__mutmut_2: no tests",
+            "    ti_io.digest.x_digest__mutmut_3: caught by type check",
+            "    ti_io.digest.x_digest__mutmut_4: skipped",
+            "",
+        ]
+    )
+    scores = helpers.mutation_scores(listing)
+    assert set(scores) == {"ti_io.parts", "ti_io.digest"}
+    parts, digest = scores["ti_io.parts"], scores["ti_io.digest"]
+    # parts: 4 mutants, 3 judged (not checked is not), killed + timeout caught
+    assert (parts["mutants"], parts["judged"], parts["caught"]) == (4, 3, 2)
+    assert parts["score"] == pytest.approx(2 / 3, abs=1e-4)
+    assert parts["survivors"] == ["ti_io.parts.x_conform__mutmut_2: survived"]
+    # digest: a mutant no test reaches counts against the score; a skipped one is not judged
+    assert (digest["mutants"], digest["judged"], digest["caught"]) == (4, 3, 2)
+    assert digest["survivors"] == ["ti_io.digest.x_digest__mutmut_2: no tests"]
+    table = helpers.format_mutation_scores(scores)
+    assert "ti_io.digest" in table
+    assert "66.7%" in table
+    assert helpers.mutation_scores("") == {}
+    with pytest.raises(ValueError, match="not a mutmut mutant name"):
+        helpers.mutant_module("ti_io.parts.conform")
+
+
+def test_mutation_targets_are_declared_in_the_package_pyprojects(helpers: ModuleType) -> None:
+    for package in helpers.MUTATION_PACKAGES:
+        pyproject = ROOT / "packages" / package / "pyproject.toml"
+        config = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["mutmut"]
+        assert config["only_mutate"], package
+        for pattern in config["only_mutate"]:
+            assert list((pyproject.parent).glob(pattern)), (package, pattern)
+        for tests in config["pytest_add_cli_args_test_selection"]:
+            assert (pyproject.parent / tests).exists(), (package, tests)

@@ -111,6 +111,7 @@ def test_parts_are_readable_while_running(tmp_path: Path, synth: Callable[..., S
     assert live.get_column("sample_id").unique().sort().to_list() == list(range(10))
     for part in parts:  # each part is a complete, conforming Parquet file
         validate_history(pq.read_table(part))
+        _assert_zstd_with_string_dictionaries(part)
     assert_rows_equal(pa.concat_tables(pq.read_table(p) for p in parts), sent["history"])
     assert_rows_equal(live.to_arrow(), sent["history"])
     sent["history"].append(s.history(10))
@@ -119,6 +120,21 @@ def test_parts_are_readable_while_running(tmp_path: Path, synth: Callable[..., S
     assert scan_history(tmp_path).select(pl.len()).collect().item() == 11 * per_sample
     assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
     assert not (tmp_path / "history.parts").exists()
+
+
+def _assert_zstd_with_string_dictionaries(path: Path) -> None:
+    """docs/artifacts.md: parts are zstd-compressed, with dictionary encoding on the string
+    columns only."""
+    meta = pq.ParquetFile(path).metadata
+    schema = pq.read_schema(path)
+    assert meta.num_row_groups >= 1
+    for g in range(meta.num_row_groups):
+        for c in range(meta.num_columns):
+            column = meta.row_group(g).column(c)
+            name = column.path_in_schema.split(".")[0]
+            assert column.compression == "ZSTD", (path.name, name)
+            dictionary = any("DICTIONARY" in e for e in column.encodings)
+            assert dictionary == pa.types.is_string(schema.field(name).type), (path.name, name)
 
 
 def test_result_json_matches_numpy_reference(tmp_path: Path, synth: Callable[..., Synth]) -> None:
@@ -328,11 +344,39 @@ def test_write_failure_is_reported_and_the_rest_survives(
         sink.flush()
     assert caught.value.rows_lost == per_sample
     assert "part-000001.parquet" in str(caught.value)
+    assert caught.value.paths == (str(tmp_path / "history.parts" / "part-000001.parquet"),)
     assert attempts.count("part-000001.parquet") == 2  # written once more before giving up
     sink.write_history(s.history(2))
     sink.close()  # finalizes what was published
     kept = pl.read_parquet(tmp_path / "history.parquet").get_column("sample_id").unique().sort()
     assert kept.to_list() == [0, 2]
+
+
+def test_a_failing_tensorboard_event_file_is_reported_and_costs_no_rows(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event file failing (EIO) is reported once, naming the file and the histograms it
+    lost; history and histogram parts, and the finalized files, keep every row."""
+    s = synth()
+
+    def broken(self: object, batch: pa.RecordBatch) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(ti_io.parts.EventFileHistograms, "write", broken)
+    sink, sent = run_sink(tmp_path, s, samples=3, buffer_rows=10_000)
+    with pytest.raises(ArtifactWriteError, match="Input/output error") as caught:
+        sink.flush()
+    histogram_rows = sum(b.num_rows for b in sent["histograms"])
+    assert histogram_rows > 0
+    assert f"lost {histogram_rows} TensorBoard histograms" in str(caught.value)
+    assert caught.value.rows_lost == 0  # the histograms themselves are in the parts
+    (events,) = (tmp_path / "tensorboard").iterdir()
+    assert caught.value.paths == (str(events),)
+    sink.close()
+    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
+    assert_rows_equal(
+        pq.read_table(tmp_path / "histograms.parquet"), sent["histograms"], key=HISTOGRAM_KEY
+    )
 
 
 def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(

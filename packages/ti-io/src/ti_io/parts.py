@@ -15,7 +15,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias, assert_never
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -179,12 +179,14 @@ class PartWriter:
             self._flush_histograms()
         elif kind == "flush":
             self._flush_histograms()
-        else:
+        elif kind == "histograms":
             self._write_events(batches)
             self._pending_histograms += batches
             self._pending_histogram_rows += sum(b.num_rows for b in batches)
             if self._pending_histogram_rows >= self._histogram_part_rows:
                 self._flush_histograms()
+        else:
+            assert_never(kind)
 
     def _fail(self, path: Path, cause: BaseException, rows: int, what: Lost) -> None:
         with self._lock:
