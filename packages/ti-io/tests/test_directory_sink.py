@@ -345,6 +345,7 @@ def test_write_failure_is_reported_and_the_rest_survives(
     assert caught.value.rows_lost == per_sample
     assert "part-000001.parquet" in str(caught.value)
     assert caught.value.paths == (str(tmp_path / "history.parts" / "part-000001.parquet"),)
+    assert f"lost {per_sample} history rows" in str(caught.value)
     assert attempts.count("part-000001.parquet") == 2  # written once more before giving up
     sink.write_history(s.history(2))
     sink.close()  # finalizes what was published

@@ -70,3 +70,28 @@ def test_histograms_follow_each_history_part(tmp_path: Path, synth: Callable[...
     assert _part_rows(tmp_path) == 4 * per_sample  # published with the history part
     sink.close()
     assert pq.read_metadata(tmp_path / "histograms.parquet").num_rows == 4 * per_sample
+
+
+def test_a_full_histogram_chunk_is_published_at_once(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    """``buffer_rows`` histogram rows, with no history part due, become a histogram part as soon
+    as the writer has them (at exactly the threshold), not at the next history part."""
+    s = synth()
+    per_sample = s.histograms(0).num_rows
+    sink = DirectorySink(
+        tmp_path, history_config=HistoryConfig(buffer_rows=2 * per_sample, window=3)
+    )
+    sink.open(s.run)
+    sink.write_histograms(s.histograms(0))
+    sink.write_histograms(s.histograms(1))  # exactly buffer_rows: handed over
+    assert sink._writer is not None
+    sink._writer.wait_idle()
+    parts = sorted((tmp_path / "histograms.parts").glob("*.parquet"))
+    assert [pq.read_metadata(p).num_rows for p in parts] == [2 * per_sample]
+    assert not list((tmp_path / "history.parts").glob("*.parquet"))
+    sink.write_histograms(s.histograms(2))
+    sink.close()
+    final = pq.read_table(tmp_path / "histograms.parquet")
+    assert sorted(set(final.column("sample_id").to_pylist())) == [0, 1, 2]
+    assert final.num_rows == 3 * per_sample
