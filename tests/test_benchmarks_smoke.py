@@ -35,7 +35,11 @@ ROUND_COLUMNS = (
 )
 
 
-def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
+def _quick_sequence_run(
+    tmp_path: Path, configs: str, *extra: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """run.py on a tiny sequence plan (one round, two blocks, one warmup step), no baseline;
+    the finished process and the CSV it wrote."""
     output = tmp_path / "bench.csv"
     done = subprocess.run(
         [
@@ -45,7 +49,7 @@ def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
             "--workloads",
             "sequence",
             "--configs",
-            "bare,unsampled,every-memory",
+            configs,
             "--repeats",
             "2",
             "--steps",
@@ -57,6 +61,7 @@ def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
             "--no-baseline",
             "--output",
             str(output),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -64,6 +69,11 @@ def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr + done.stdout
+    return done, output
+
+
+def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
+    done, output = _quick_sequence_run(tmp_path, "bare,unsampled,every-memory")
     with output.open(newline="") as handle:
         reader = csv.DictReader(handle)
         rows = list(reader)
@@ -281,34 +291,9 @@ def test_against_reference_divides_same_round_ratios(harness: ModuleType) -> Non
 def test_reference_python_runs_a_second_tree_in_the_same_rounds(tmp_path: Path) -> None:
     # The reference interpreter is this one here (a real comparison passes another tree's venv):
     # every observed configuration runs once per tree, and the before/after table is printed.
-    output = tmp_path / "bench.csv"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(RUN),
-            "--quick",
-            "--workloads",
-            "sequence",
-            "--configs",
-            "bare,every-memory",
-            "--repeats",
-            "2",
-            "--every-steps",
-            "1",
-            "--warmup",
-            "1",
-            "--no-baseline",
-            "--reference-python",
-            sys.executable,
-            "--output",
-            str(output),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
+    done, output = _quick_sequence_run(
+        tmp_path, "bare,every-memory", "--reference-python", sys.executable
     )
-    assert done.returncode == 0, done.stderr + done.stdout
     with output.open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["impl"], r["config"], r["sink"]) for r in rows] == [
