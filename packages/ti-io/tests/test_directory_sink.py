@@ -380,6 +380,55 @@ def test_a_failing_tensorboard_event_file_is_reported_and_costs_no_rows(
     )
 
 
+def test_a_failing_histogram_part_is_reported_with_the_rows_it_lost(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A histogram part that cannot be written (a lasting ENOSPC) is reported once, naming the
+    part and the histogram rows it lost; the history is untouched."""
+    s = synth()
+    real = ti_io.parts.write_parquet
+
+    def full(path: Path, table: pa.Table) -> None:
+        if path.parent.name == "histograms.parts":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, table)
+
+    monkeypatch.setattr(ti_io.parts, "write_parquet", full)
+    sink, sent = run_sink(tmp_path, s, samples=3, buffer_rows=10_000)
+    with pytest.raises(ArtifactWriteError, match="No space left") as caught:
+        sink.flush()
+    lost = sum(b.num_rows for b in sent["histograms"])
+    assert f"lost {lost} histogram rows" in str(caught.value)
+    assert caught.value.rows_lost == lost
+    assert caught.value.paths == (str(tmp_path / "histograms.parts" / "part-000000.parquet"),)
+    sink.close()
+    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
+
+
+def test_a_failing_event_file_close_is_reported_at_close(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closing the TensorBoard event file failing (EIO) is reported by ``close``, naming the
+    file; no row is lost and the run is finalized."""
+    s = synth()
+
+    def broken(self: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(ti_io.parts.EventFileHistograms, "close", broken)
+    sink, sent = run_sink(tmp_path, s, samples=3, buffer_rows=10_000)
+    (events,) = (tmp_path / "tensorboard").iterdir()
+    with pytest.raises(ArtifactWriteError, match="Input/output error") as caught:
+        sink.close()
+    assert caught.value.paths == (str(events),)
+    assert caught.value.rows_lost == 0
+    assert "lost no rows" in str(caught.value)
+    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
+    assert_rows_equal(
+        pq.read_table(tmp_path / "histograms.parquet"), sent["histograms"], key=HISTOGRAM_KEY
+    )
+
+
 def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(
     tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -91,7 +91,13 @@ def test_a_full_histogram_chunk_is_published_at_once(
     assert [pq.read_metadata(p).num_rows for p in parts] == [2 * per_sample]
     assert not list((tmp_path / "history.parts").glob("*.parquet"))
     sink.write_histograms(s.histograms(2))
+    sink.write_histograms(s.histograms(3))
+    sink._writer.wait_idle()
+    parts = sorted((tmp_path / "histograms.parts").glob("*.parquet"))
+    assert [p.name for p in parts] == ["part-000000.parquet", "part-000001.parquet"]
+    assert [pq.read_metadata(p).num_rows for p in parts] == [2 * per_sample] * 2
+    sink.write_histograms(s.histograms(4))
     sink.close()
     final = pq.read_table(tmp_path / "histograms.parquet")
-    assert sorted(set(final.column("sample_id").to_pylist())) == [0, 1, 2]
-    assert final.num_rows == 3 * per_sample
+    assert sorted(set(final.column("sample_id").to_pylist())) == [0, 1, 2, 3, 4]
+    assert final.num_rows == 5 * per_sample

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ from ti_io import (
 from ti_io.cli import _summary_frame, main
 from ti_schema import DEFAULT_METRICS, polars_write_options, validate_result_json
 from ti_schema.layout import rank_dir_name
-from ti_schema.testing import load_strict_json
+from ti_schema.testing import example_history_table, load_strict_json
 
 
 def _interrupted(out: Path, s: Synth, samples: int) -> dict[str, list[pa.RecordBatch]]:
@@ -266,8 +267,6 @@ def test_digest_groups_dictionary_encoded_rows_like_plain_strings() -> None:
 
 
 def test_the_ti_command_does_not_import_torch() -> None:
-    import subprocess
-
     code = "import sys, ti_io.cli; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"  # `ti validate` starts in about a second, not ten
@@ -314,3 +313,27 @@ def test_cli_summary_uses_the_window_the_run_was_written_with(
         assert recent == pytest.approx(values[-2:].mean(), rel=1e-12), state
         assert main(["summary", str(tmp_path), "--metric", "std"]) == 0
         assert "window 2" in capsys.readouterr().out
+
+
+def test_a_process_that_exits_without_close_publishes_its_rows_and_ends(tmp_path: Path) -> None:
+    """An interpreter exit without ``close`` neither hangs on the writer thread (a daemon) nor
+    loses the buffered rows: the exit flush publishes them as parts, which consolidate."""
+    code = (
+        "import sys\n"
+        "from ti_io import DirectorySink, HistoryConfig\n"
+        "from ti_schema.testing import example_history_table, example_run_info\n"
+        "sink = DirectorySink(sys.argv[1], history_config=HistoryConfig(buffer_rows=10_000))\n"
+        "sink.open(example_run_info())\n"
+        "for batch in example_history_table().to_batches():\n"
+        "    sink.write_history(batch)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    sent = example_history_table()
+    assert sent.num_rows > 0
+    parts = sorted((tmp_path / "history.parts").glob("*.parquet"))
+    assert_rows_equal(pa.concat_tables(pq.read_table(p) for p in parts), sent.to_batches())
+    assert main(["consolidate", str(tmp_path)]) == 0
+    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent.to_batches())
