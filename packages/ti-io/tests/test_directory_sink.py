@@ -429,6 +429,27 @@ def test_a_failing_event_file_close_is_reported_at_close(
     )
 
 
+def test_a_dead_writer_thread_is_reported_instead_of_waited_for(
+    tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should the writer thread end (a fault its own error handling cannot catch), the
+    training thread is not blocked forever on the full queue: it gets an ArtifactWriteError
+    saying rows are not being written."""
+    s = synth()
+
+    def die(self: object, kind: str, batches: list[pa.RecordBatch]) -> None:
+        raise SystemExit("writer fault")  # ends the thread silently, like an uncatchable fault
+
+    monkeypatch.setattr(ti_io.parts.PartWriter, "_handle", die)
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=1))
+    sink.open(s.run)
+    # Every batch is a chunk: the first ends the thread, QUEUE_CHUNKS more fit in the queue.
+    for sample in range(1 + ti_io.parts.QUEUE_CHUNKS):
+        sink.write_history(s.history(sample))
+    with pytest.raises(ArtifactWriteError, match="has stopped; rows are not being written"):
+        sink.write_history(s.history(1 + ti_io.parts.QUEUE_CHUNKS))
+
+
 def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(
     tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
 ) -> None:
