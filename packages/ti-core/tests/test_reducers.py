@@ -19,6 +19,7 @@ from ti_core.reduction import (
     bands,
     default_reducers,
     numpy_rows,
+    quantiles,
     support,
     torch_select,
 )
@@ -157,6 +158,43 @@ def test_empty_all_nan_and_inf_tensors_explain_their_nulls() -> None:
     for i in range(3):
         for j in range(len(DEFAULT_METRICS)):
             assert m.available[i, j] == (m.reasons[i][j] is None)
+
+
+def test_quantile_positions_are_numpys_virtual_indexes() -> None:
+    """(lower rank, upper rank, fraction) of each quartile of n sorted values: the virtual index
+    q * (n - 1) split into its floor and fraction; the upper rank is the next one only when the
+    fraction is not zero, and never past the last value."""
+    for n in range(1, 64):
+        got = quantiles.quantile_positions(n)
+        assert len(got) == len(quantiles.QUANTILES)
+        for (lo, hi, frac), q in zip(got, quantiles.QUANTILES, strict=True):
+            pos = q * (n - 1)
+            assert (lo, frac) == (math.floor(pos), pos - math.floor(pos)), (n, q)
+            assert hi == (lo if frac == 0.0 else lo + 1), (n, q)
+            assert 0 <= lo <= hi < n, (n, q)
+
+
+def test_lerp_gives_numpys_bits() -> None:
+    """lerp, lerp_array and lerp_tensor give numpy's linear quantile to the bit (numpy's _lerp
+    switches formula at t = 0.5). On two sorted values the quantile q is the interpolation at
+    t = q between them, so numpy.quantile of each pair is the reference."""
+    rng = np.random.default_rng(5)
+    scale = rng.choice([1e-3, 1.0, 1e3], size=(4000, 1))
+    pairs = np.sort(rng.standard_normal((4000, 2)) * scale, axis=1)
+    a, b = pairs[:, 0], pairs[:, 1]
+    for q in quantiles.QUANTILES:
+        want = np.quantile(pairs, q, axis=1)
+        got = {
+            "lerp": np.array([quantiles.lerp(x, y, q) for x, y in pairs]),
+            "lerp_array": quantiles.lerp_array(a, b, np.full(len(a), q)),
+            "lerp_tensor": quantiles.lerp_tensor(
+                torch.from_numpy(a), torch.from_numpy(b), q
+            ).numpy(),
+        }
+        for name, values in got.items():
+            assert np.array_equal(values.view(np.int64), want.view(np.int64)), (name, q)
+        # the two formulas differ in the last bit for some pairs: the check above decides
+        assert np.any((b - (b - a) * (1.0 - q)) != (a + (b - a) * q)), q
 
 
 def test_zeros_are_written_as_positive_zero() -> None:
