@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 HISTOGRAM_KEY = ("sample_id", "forward_index", "layer", "signal", "call_index", "tensor_path")
 HISTORY_KEY = (*HISTOGRAM_KEY, "metric")
@@ -43,6 +45,15 @@ def assert_rows_equal(
     assert len(got) == len(want), (len(got), len(want))
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == w, f"row {i} differs: {_diff(g, w)}"
+
+
+def assert_final_files_match(directory: Path, sent: Mapping[str, Sequence[pa.RecordBatch]]) -> None:
+    """A finalized run's history.parquet and histograms.parquet hold exactly the ``"history"``
+    and ``"histograms"`` batches that were sent."""
+    assert_rows_equal(pq.read_table(directory / "history.parquet"), sent["history"])
+    assert_rows_equal(
+        pq.read_table(directory / "histograms.parquet"), sent["histograms"], HISTOGRAM_KEY
+    )
 
 
 def _diff(got: Mapping[str, Any], want: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -15,7 +15,12 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _fidelity import HISTOGRAM_KEY, assert_result_json_matches, assert_rows_equal
+from _fidelity import (
+    HISTOGRAM_KEY,
+    assert_final_files_match,
+    assert_result_json_matches,
+    assert_rows_equal,
+)
 from _io_helpers import Synth, make_run
 
 import ti_io.parts
@@ -374,10 +379,7 @@ def test_a_failing_tensorboard_event_file_is_reported_and_costs_no_rows(
     (events,) = (tmp_path / "tensorboard").iterdir()
     assert caught.value.paths == (str(events),)
     sink.close()
-    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
-    assert_rows_equal(
-        pq.read_table(tmp_path / "histograms.parquet"), sent["histograms"], key=HISTOGRAM_KEY
-    )
+    assert_final_files_match(tmp_path, sent)
 
 
 def test_a_failing_histogram_part_is_reported_with_the_rows_it_lost(
@@ -423,10 +425,7 @@ def test_a_failing_event_file_close_is_reported_at_close(
     assert caught.value.paths == (str(events),)
     assert caught.value.rows_lost == 0
     assert "lost no rows" in str(caught.value)
-    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
-    assert_rows_equal(
-        pq.read_table(tmp_path / "histograms.parquet"), sent["histograms"], key=HISTOGRAM_KEY
-    )
+    assert_final_files_match(tmp_path, sent)
 
 
 def test_a_dead_writer_thread_is_reported_instead_of_waited_for(

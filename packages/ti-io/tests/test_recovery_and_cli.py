@@ -14,7 +14,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _fidelity import HISTOGRAM_KEY, assert_result_json_matches, assert_rows_equal
+from _fidelity import (
+    assert_final_files_match,
+    assert_result_json_matches,
+    assert_rows_equal,
+)
 from _io_helpers import Synth, make_run
 
 from ti_io import (
@@ -53,10 +57,7 @@ def test_consolidate_recovers_every_row(tmp_path: Path, synth: Callable[..., Syn
     assert_rows_equal(scan_history(tmp_path).collect().to_arrow(), sent["history"])
     done = consolidate(tmp_path)
     assert (done.history_rows, done.histogram_rows) == (rows, 7 * 2 * len(s.run.focus_layers))
-    assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
-    assert_rows_equal(
-        pq.read_table(tmp_path / "histograms.parquet"), sent["histograms"], HISTOGRAM_KEY
-    )
+    assert_final_files_match(tmp_path, sent)
     assert not (tmp_path / "history.parts").exists()
     records = load_strict_json(tmp_path / "result.json")
     validate_result_json(records)
