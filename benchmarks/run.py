@@ -60,8 +60,7 @@ import workloads  # noqa: E402
 WORKLOADS = ("sequence", "many", "large", "history", "conv", "transformer")
 CONFIGS = ("bare", "unsampled", "every", "every-memory", "interval")
 HISTORY_ROWS, HISTORY_ROWS_QUICK = 900_000, 90_000
-BASELINE = "ti-0.8.0"
-REFERENCE = "ti-ref"
+BASELINE, REFERENCE = workloads.BASELINE, workloads.REFERENCE
 
 COLUMNS = (
     "run",

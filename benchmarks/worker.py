@@ -34,9 +34,7 @@ import workloads
 QUARTILES = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 
 
-BASELINE = "ti-0.8.0"
-REFERENCE = "ti-ref"
-"""ti_core of another tree (run.py --reference-python): the same harness, another install."""
+BASELINE, REFERENCE = workloads.BASELINE, workloads.REFERENCE
 
 
 class _Impl:

@@ -19,6 +19,13 @@ if TYPE_CHECKING:  # torch is imported by build(), so run.py's parent process ne
     import torch
     from torch import nn
 
+# The ``impl`` of a spec, shared by run.py (which picks the interpreter) and worker.py (which
+# imports the implementation): this tree's ti_core is "ti".
+BASELINE = "ti-0.8.0"
+"""The released torchinstruments 0.8.0 (run.py --baseline-python)."""
+REFERENCE = "ti-ref"
+"""ti_core of another tree (run.py --reference-python): the same harness, another install."""
+
 LARGE_NUMEL = 16_777_217
 """2**24 + 1 float32 elements: odd, so the median is one order statistic; quartiles interpolate."""
 
