@@ -116,7 +116,7 @@ def test_parts_are_readable_while_running(tmp_path: Path, synth: Callable[..., S
     assert live.get_column("sample_id").unique().sort().to_list() == list(range(10))
     for part in parts:  # each part is a complete, conforming Parquet file
         validate_history(pq.read_table(part))
-        _assert_zstd_with_string_dictionaries(part)
+        _assert_lz4_with_string_dictionaries(part)
     assert_rows_equal(pa.concat_tables(pq.read_table(p) for p in parts), sent["history"])
     assert_rows_equal(live.to_arrow(), sent["history"])
     sent["history"].append(s.history(10))
@@ -125,11 +125,16 @@ def test_parts_are_readable_while_running(tmp_path: Path, synth: Callable[..., S
     assert scan_history(tmp_path).select(pl.len()).collect().item() == 11 * per_sample
     assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent["history"])
     assert not (tmp_path / "history.parts").exists()
+    final = pq.ParquetFile(tmp_path / "history.parquet").metadata
+    for c in range(final.num_columns):  # the final file is written for size and for queries
+        column = final.row_group(0).column(c)
+        assert column.compression == "ZSTD", column.path_in_schema
+        assert column.is_stats_set, column.path_in_schema
 
 
-def _assert_zstd_with_string_dictionaries(path: Path) -> None:
-    """docs/artifacts.md: parts are zstd-compressed, with dictionary encoding on the string
-    columns only."""
+def _assert_lz4_with_string_dictionaries(path: Path) -> None:
+    """docs/artifacts.md: parts are LZ4-compressed, without column statistics, with dictionary
+    encoding on the string columns only (the final files are zstd, with statistics)."""
     meta = pq.ParquetFile(path).metadata
     schema = pq.read_schema(path)
     assert meta.num_row_groups >= 1
@@ -137,7 +142,8 @@ def _assert_zstd_with_string_dictionaries(path: Path) -> None:
         for c in range(meta.num_columns):
             column = meta.row_group(g).column(c)
             name = column.path_in_schema.split(".")[0]
-            assert column.compression == "ZSTD", (path.name, name)
+            assert column.compression in ("LZ4", "LZ4_RAW"), (path.name, name)
+            assert not column.is_stats_set, (path.name, name)
             dictionary = any("DICTIONARY" in e for e in column.encodings)
             assert dictionary == pa.types.is_string(schema.field(name).type), (path.name, name)
 

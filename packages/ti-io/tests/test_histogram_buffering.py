@@ -75,12 +75,13 @@ def test_histograms_follow_each_history_part(tmp_path: Path, synth: Callable[...
 def test_a_full_histogram_chunk_is_published_at_once(
     tmp_path: Path, synth: Callable[..., Synth]
 ) -> None:
-    """``buffer_rows`` histogram rows, with no history part due, become a histogram part as soon
-    as the writer has them (at exactly the threshold), not at the next history part."""
+    """``histogram_buffer_rows`` histogram rows, with no history part due, become a histogram
+    part as soon as the writer has them (at exactly the threshold), not at the next history
+    part."""
     s = synth()
     per_sample = s.histograms(0).num_rows
     sink = DirectorySink(
-        tmp_path, history_config=HistoryConfig(buffer_rows=2 * per_sample, window=3)
+        tmp_path, history_config=HistoryConfig(histogram_buffer_rows=2 * per_sample, window=3)
     )
     sink.open(s.run)
     sink.write_histograms(s.histograms(0))

@@ -1,7 +1,8 @@
-"""Settings of the directory sink's history: chunk size of the live parts and window length."""
+"""Settings of the directory sink's history: part sizes, the publication delay, the window."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -14,18 +15,41 @@ def _positive_int(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class HistoryConfig:
-    """How history is buffered and summarized.
+    """How history is buffered, published while the run is live, and summarized.
 
-    ``buffer_rows``: rows held in memory before they are handed to the background writer and
-    published as one ``history.parts/part-NNNNNN.parquet``; also bounds the rows a hard kill
-    can lose. ``window``: observations per window for ``recent_window_mean`` (the last
+    ``buffer_rows``: history rows held in memory before they are handed to the background
+    writer and published as one ``history.parts/part-NNNNNN.parquet`` (a 1,000-layer model
+    sampled every step makes about 18,000 rows per step; a small part costs a file of fixed
+    overhead). ``histogram_buffer_rows``: the same for histogram rows, which hold their bucket
+    lists (about 700 bytes each), so their default is smaller. ``flush_seconds``: buffered rows
+    are handed over, whatever their count, once the oldest has waited this long (checked when
+    a batch arrives; None: only by count, at ``flush`` and at removal). Together they bound
+    what a hard kill can lose: fewer than ``buffer_rows`` history and
+    ``histogram_buffer_rows`` histogram rows, none older than ``flush_seconds`` at the last
+    batch. ``window``: observations per window for ``recent_window_mean`` (the last
     ``window``, or all when fewer) and ``previous_window_mean`` (the up to ``window`` before
     those) in result.json; recorded in the ``ti`` footer of ``history.parquet``.
     """
 
-    buffer_rows: int = 8192
+    buffer_rows: int = 65_536
     window: int = 20
+    histogram_buffer_rows: int = 8_192
+    flush_seconds: float | None = 120.0
 
     def __post_init__(self) -> None:
         _positive_int("buffer_rows", self.buffer_rows)
         _positive_int("window", self.window)
+        _positive_int("histogram_buffer_rows", self.histogram_buffer_rows)
+        seconds = self.flush_seconds
+        if seconds is None:
+            return
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise TypeError(
+                "HistoryConfig(flush_seconds=...) must be a number of seconds or None, "
+                f"got {type(seconds).__name__}"
+            )
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(
+                "HistoryConfig(flush_seconds=...) must be a positive, finite number of "
+                f"seconds (or None to publish by row count only), got {seconds}"
+            )

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Final, Literal
@@ -136,6 +137,7 @@ class DirectorySink:
         self._buffered_rows = 0
         self._histograms: list[pa.RecordBatch] = []
         self._histogram_rows = 0
+        self._oldest: float | None = None  # monotonic arrival of the oldest buffered row
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
@@ -213,7 +215,7 @@ class DirectorySink:
             directory,
             self._history_schema,
             self._histogram_schema,
-            histogram_part_rows=self.history_config.buffer_rows,
+            histogram_part_rows=self.history_config.histogram_buffer_rows,
             events=events,
         )
         self._directory = directory
@@ -222,45 +224,50 @@ class DirectorySink:
         _live_sinks.add(self)
 
     def write_history(self, batch: pa.RecordBatch) -> None:
-        """Buffer ``batch``; hand a chunk to the writer every ``buffer_rows`` rows.
+        """Buffer ``batch``; hand the buffers to the writer every ``buffer_rows`` rows, or once
+        the oldest buffered row has waited ``flush_seconds``.
 
         Raises ArtifactWriteError after accepting the batch when an earlier write failed.
         """
         writer = self._require_open("write_history")
         assert self._history_schema is not None
         _check_schema(batch, self._history_schema, "write_history")
-        chunk: list[pa.RecordBatch] | None = None
+        chunk: list[pa.RecordBatch] = []
         histograms: list[pa.RecordBatch] = []
+        overdue = False
         with self._lock:
             if batch.num_rows:
                 self._buffer.append(batch)
                 self._buffered_rows += batch.num_rows
-            if self._buffered_rows >= self.history_config.buffer_rows:
-                chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
-                histograms = self._take_histograms()
-        if chunk:
-            if histograms:  # published with this history part
-                writer.submit_histograms(histograms)
-            writer.submit_history(chunk)
+                self._arrived()
+            overdue = self._overdue()
+            if overdue or self._buffered_rows >= self.history_config.buffer_rows:
+                chunk, histograms = self._take_all()
+        self._submit(writer, chunk, histograms, publish=overdue)
         self._raise_failures(writer)
 
     def write_histograms(self, batch: pa.RecordBatch) -> None:
         """Buffer ``batch``; the writer gets the buffered histograms (for TensorBoard and the
-        next histogram part) with each history part, every ``buffer_rows`` histogram rows,
-        and at ``flush``/``close``. Waking the writer per batch cost the training thread
-        more than the buffering."""
+        next histogram part) with each history part, every ``histogram_buffer_rows`` rows,
+        once ``flush_seconds`` have passed, and at ``flush``/``close``. Waking the writer per
+        batch cost the training thread more than the buffering."""
         writer = self._require_open("write_histograms")
         assert self._histogram_schema is not None
         _check_schema(batch, self._histogram_schema, "write_histograms")
+        chunk: list[pa.RecordBatch] = []
         histograms: list[pa.RecordBatch] = []
+        overdue = False
         with self._lock:
             if batch.num_rows:
                 self._histograms.append(batch)
                 self._histogram_rows += batch.num_rows
-            if self._histogram_rows >= self.history_config.buffer_rows:
+                self._arrived()
+            overdue = self._overdue()
+            if overdue:
+                chunk, histograms = self._take_all()
+            elif self._histogram_rows >= self.history_config.histogram_buffer_rows:
                 histograms = self._take_histograms()
-        if histograms:
-            writer.submit_histograms(histograms)
+        self._submit(writer, chunk, histograms, publish=overdue)
         self._raise_failures(writer)
 
     def flush(self) -> None:
@@ -271,8 +278,7 @@ class DirectorySink:
         """
         writer = self._require_open("flush")
         self._wait_for_writers()
-        self._hand_over(writer)
-        writer.submit_flush()
+        self._hand_over(writer, publish=True)
         writer.wait_idle()
         self._raise_failures(writer)
 
@@ -330,23 +336,60 @@ class DirectorySink:
             assert self._directory is not None
             raise _report(self._directory, failures)
 
+    def _arrived(self) -> None:
+        """Note a buffered row's arrival (call under ``_lock``): the first one after a hand-over
+        starts the ``flush_seconds`` clock."""
+        if self._oldest is None:
+            self._oldest = time.monotonic()
+
+    def _overdue(self) -> bool:
+        """Whether the oldest buffered row has waited ``flush_seconds`` (call under ``_lock``)."""
+        seconds = self.history_config.flush_seconds
+        return (
+            seconds is not None
+            and self._oldest is not None
+            and time.monotonic() - self._oldest >= seconds
+        )
+
     def _take_histograms(self) -> list[pa.RecordBatch]:
         """The buffered histogram batches, emptying the buffer (call under ``_lock``)."""
         histograms, self._histograms, self._histogram_rows = self._histograms, [], 0
+        if not self._buffer:
+            self._oldest = None
         return histograms
 
-    def _hand_over(self, writer: PartWriter) -> None:
-        """Give the writer every buffered history row and histogram."""
-        with self._lock:
-            chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
-            histograms = self._take_histograms()
+    def _take_all(self) -> tuple[list[pa.RecordBatch], list[pa.RecordBatch]]:
+        """Every buffered history and histogram batch, emptying both buffers (call under
+        ``_lock``)."""
+        chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
+        return chunk, self._take_histograms()
+
+    @staticmethod
+    def _submit(
+        writer: PartWriter,
+        chunk: list[pa.RecordBatch],
+        histograms: list[pa.RecordBatch],
+        *,
+        publish: bool,
+    ) -> None:
+        """Hand taken buffers to the writer: histograms first (a history part publishes the
+        histograms pending with it); ``publish``: histograms without a history part become a
+        part now too."""
         if histograms:
             writer.submit_histograms(histograms)
         if chunk:
             writer.submit_history(chunk)
+        elif publish:
+            writer.submit_flush()
+
+    def _hand_over(self, writer: PartWriter, *, publish: bool) -> None:
+        """Give the writer every buffered history row and histogram."""
+        with self._lock:
+            chunk, histograms = self._take_all()
+        self._submit(writer, chunk, histograms, publish=publish)
 
     def _drain(self, writer: PartWriter) -> None:
-        self._hand_over(writer)
+        self._hand_over(writer, publish=False)  # stop() publishes what is pending
         writer.stop()
 
     def _flush_at_exit(self) -> None:

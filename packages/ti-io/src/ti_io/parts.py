@@ -25,7 +25,10 @@ from ti_io.publishing import publish_with
 from ti_io.tensorboard_sink import EventFileHistograms
 from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, part_name
 
-PART_COMPRESSION: Final[str] = "zstd"
+PART_COMPRESSION: Final[str] = "lz4"
+"""Parts are transient (consolidation rewrites them into the zstd-compressed final files), so
+they are written for speed: LZ4 and no column statistics took about half the writer's CPU
+time of zstd with statistics (benchmarks/README.md, issue 16)."""
 Lost = Literal["history rows", "histogram rows", "TensorBoard histograms", "final artifacts"]
 """What a failed write cost, as the error message names it."""
 Chunk = Literal["history", "histograms", "flush"]
@@ -70,6 +73,7 @@ def write_parquet(path: Path, table: pa.Table) -> None:
             tmp,
             compression=PART_COMPRESSION,
             use_dictionary=dictionary_columns(table.schema),
+            write_statistics=False,
         ),
     )
 
