@@ -8,6 +8,7 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -15,6 +16,8 @@ from _fidelity import assert_final_files_match
 from _io_helpers import Synth
 
 from ti_io import DirectorySink, HistoryConfig
+from ti_io.facts import RunFacts
+from ti_io.result_json import aggregate, finish_statistics, render
 from ti_schema import histogram_schema, history_schema
 
 # The module (``ti_io.consolidate`` as an attribute is the package's function of that name).
@@ -115,3 +118,22 @@ def test_index_md_says_finalized_and_counts_the_histograms(
     histogram_rows = sum(b.num_rows for b in sent["histograms"])
     assert histogram_rows > 0
     assert f"histograms:    {histogram_rows} rows" in text
+
+
+@pytest.mark.parametrize("samples", [3, 7])  # observations == window (no previous), and more
+def test_live_aggregation_of_ti_summary_reproduces_result_json(
+    tmp_path: Path, synth: Callable[..., Synth], samples: int
+) -> None:
+    """``result_json.aggregate`` (what ``ti summary`` computes from a live run's parts) and the
+    streaming digest of finalization are two implementations of one contract: the same history
+    must render the same result.json, byte for byte (shapes, dtypes, module types and
+    unavailable reasons included)."""
+    s = synth(empty_every=2)  # unavailable values, with their reasons
+    _finalized_run(tmp_path, s, samples=samples, part_samples=2)
+    facts = RunFacts.from_run(s.run, 3)
+    history = pl.scan_parquet(tmp_path / "history.parquet")
+    aggregated = finish_statistics(aggregate(history, facts.window).collect(), facts.window)
+    text = render(facts.layers, aggregated, window=facts.window, metrics=facts.metrics)
+    written = (tmp_path / "result.json").read_text(encoding="utf-8")
+    assert '"unavailable_reason": "' in written, "vacuous: no unavailable value was recorded"
+    assert text == written
