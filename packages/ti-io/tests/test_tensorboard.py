@@ -90,3 +90,37 @@ def test_directory_events_hold_exactly_the_focus_histograms(
 def test_tensorboard_sink_rejects_other_objects() -> None:
     with pytest.raises(TypeError, match="SummaryWriter"):
         TensorBoardSink(object())
+
+
+def test_record_framing_is_tensorboards_byte_for_byte(tmp_path: Path) -> None:
+    """Our framing (C CRC-32C) against TensorBoard's own ``RecordWriter`` (pure-Python CRC):
+    the same bytes for the same records, so TensorBoard's reader, which checks both CRCs of
+    every record, reads our event files."""
+    import io
+    import random
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import (
+        masked_crc32c as tensorboard_crc,
+    )
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from ti_io.tensorboard_sink import RecordFile, masked_crc32c
+
+    rng = random.Random(7)
+    records = [
+        b"",
+        b"\x00",
+        b"\xff" * 3,
+        *(rng.randbytes(rng.randrange(1, 3000)) for _ in range(40)),
+    ]
+    for data in records:
+        assert masked_crc32c(data) == tensorboard_crc(data), len(data)
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    mine, reference = RecordFile(ours), RecordWriter(theirs)
+    for data in records:
+        mine.write(data)
+        reference.write(data)
+    mine.flush()
+    reference.flush()
+    assert ours.getvalue() == theirs.getvalue()
+    assert len(ours.getvalue()) == sum(len(d) + 16 for d in records)

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import google_crc32c
 import pyarrow as pa
 import pyarrow.compute as pc
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.compat.proto.summary_pb2 import HistogramProto
-from tensorboard.summary.writer.record_writer import RecordWriter
 
 from ti_io.tags import histogram_tag
 from ti_schema.sink import RunInfo, SinkCapabilities
@@ -87,6 +88,37 @@ def histogram_records(batch: pa.RecordBatch | pa.Table) -> Iterator[HistogramRec
         )
 
 
+def masked_crc32c(data: bytes) -> int:
+    """The masked CRC-32C of ``data`` that TensorBoard's record format carries (and its reader
+    checks), computed by google-crc32c's C implementation. TensorBoard's own
+    (``tensorboard.compat.tensorflow_stub.pywrap_tensorflow.masked_crc32c``) is pure Python:
+    about 60 us per 700-byte histogram event on the writer thread, holding the GIL that the
+    training thread needs (benchmarks/README.md, issue 16)."""
+    crc = int(google_crc32c.value(data))
+    rotated = ((crc >> 15) | (crc << 17)) & 0xFFFFFFFF
+    return (rotated + 0xA282EAD8) & 0xFFFFFFFF
+
+
+class RecordFile:
+    """TensorBoard's record framing (as its ``RecordWriter`` writes it) over an open binary
+    file: length, masked CRC of the length, data, masked CRC of the data."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+
+    def write(self, data: bytes) -> None:
+        header = struct.pack("<Q", len(data))
+        self._file.write(
+            header
+            + struct.pack("<I", masked_crc32c(header))
+            + data
+            + struct.pack("<I", masked_crc32c(data))
+        )
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
 def _proto(record: HistogramRecord) -> HistogramProto:
     return HistogramProto(
         min=record.min,
@@ -102,9 +134,9 @@ def _proto(record: HistogramRecord) -> HistogramProto:
 class EventFileHistograms:
     """An event file of our own under ``logdir``, written by the directory sink's writer thread.
 
-    Uses TensorBoard's record format (``RecordWriter``, ``event_pb2``) directly rather than
-    ``EventFileWriter``, which would start a second thread; ``flush`` hands the bytes to the
-    operating system so a killed process keeps every event flushed so far.
+    Writes TensorBoard's record format (:class:`RecordFile`, ``event_pb2``) directly rather
+    than through ``EventFileWriter``, which would start a second thread; ``flush`` hands the
+    bytes to the operating system so a killed process keeps every event flushed so far.
     """
 
     def __init__(self, logdir: Path) -> None:
@@ -114,7 +146,7 @@ class EventFileHistograms:
         )
         self.path = logdir / name
         self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 - closed in close()
-        self._writer = RecordWriter(self._file)
+        self._writer = RecordFile(self._file)
         first = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
         self._writer.write(first.SerializeToString())
         self.flush()
