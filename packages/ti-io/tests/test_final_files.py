@@ -5,6 +5,7 @@ row groups gathered from whole parts; index.md says the run is finalized and cou
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,3 +138,26 @@ def test_live_aggregation_of_ti_summary_reproduces_result_json(
     written = (tmp_path / "result.json").read_text(encoding="utf-8")
     assert '"unavailable_reason": "' in written, "vacuous: no unavailable value was recorded"
     assert text == written
+
+
+def test_result_json_lists_catalog_layers_in_catalog_order_then_the_rest_by_name(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    s = synth()
+    _finalized_run(tmp_path, s, samples=2, part_samples=1)
+    facts = RunFacts.from_run(s.run, 3)
+    history = pl.scan_parquet(tmp_path / "history.parquet")
+    aggregated = finish_statistics(aggregate(history, facts.window).collect(), facts.window)
+    names = [layer.name for layer in facts.layers]
+    executed = sorted(set(history.select("layer").collect().to_series().to_list()))
+    assert len(executed) >= 2, "vacuous: the order of one layer says nothing"
+
+    def layers_of(text: str) -> list[str]:
+        return [record["layer"] for record in json.loads(text)]
+
+    backwards = list(reversed(facts.layers))
+    text = render(backwards, aggregated, window=facts.window, metrics=facts.metrics)
+    assert layers_of(text) == list(reversed(names))  # the catalog's order, not the names'
+    # Without a catalog (an upgraded run, say) the layers the history names, by name.
+    text = render([], aggregated, window=facts.window, metrics=facts.metrics)
+    assert layers_of(text) == executed
