@@ -72,9 +72,70 @@ def test_consolidate_recovers_every_row(tmp_path: Path, synth: Callable[..., Syn
 def test_consolidate_refuses_nothing(tmp_path: Path) -> None:
     with pytest.raises(NothingToConsolidateError, match="no TorchInstruments run"):
         consolidate(tmp_path)
-    with pytest.raises(NothingToConsolidateError, match="no such directory"):
-        consolidate(tmp_path / "missing")
+    missing = tmp_path / "missing"
+    with pytest.raises(NothingToConsolidateError) as caught:
+        consolidate(missing)
+    assert str(caught.value) == (
+        f"consolidate({str(missing)!r}): no such directory; pass the output_dir of a run"
+    )
     assert main(["consolidate", str(tmp_path)]) == 1  # the command says so, exit 1
+
+
+def test_consolidate_checks_history_config(tmp_path: Path) -> None:
+    with pytest.raises(TypeError) as caught:
+        consolidate(tmp_path, history_config={"window": 3})  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "consolidate(history_config=...) takes a ti_io.HistoryConfig, got dict"
+    )
+
+
+def test_consolidate_uses_the_window_it_is_given(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    s = synth()
+    sent = _interrupted(tmp_path, s, samples=7)  # written with window 2
+    done = consolidate(tmp_path, history_config=HistoryConfig(window=3))
+    assert done.history_rows == sum(b.num_rows for b in sent["history"])
+    records = load_strict_json(tmp_path / "result.json")
+    assert_result_json_matches(records, sent["history"], window=3)
+    footer = json.loads(pq.read_schema(tmp_path / "history.parquet").metadata[b"ti"])
+    assert footer["window"] == 3
+
+
+def test_consolidate_of_a_finished_run_reports_it(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    s = synth()
+    sent = _interrupted(tmp_path, s, samples=3)
+    first = consolidate(tmp_path)
+    again = consolidate(tmp_path)
+    history_rows = sum(b.num_rows for b in sent["history"])
+    histogram_rows = sum(b.num_rows for b in sent["histograms"])
+    assert histogram_rows > 0
+    assert (first.directory, first.history_rows, first.histogram_rows) == (
+        tmp_path,
+        history_rows,
+        histogram_rows,
+    )
+    assert first.parts > 0
+    assert not first.already_done
+    assert again == type(again)(tmp_path, history_rows, histogram_rows, 0, already_done=True)
+
+
+def test_consolidate_points_at_the_rank_directories(tmp_path: Path) -> None:
+    for rank in range(6):
+        (tmp_path / rank_dir_name(rank)).mkdir()
+    with pytest.raises(NothingToConsolidateError) as caught:
+        consolidate(tmp_path)
+    assert str(caught.value) == (
+        f"{tmp_path} holds rank-private runs (rank-000, rank-001, rank-002, rank-003, ...); "
+        f"consolidate each rank directory, e.g. `ti consolidate {tmp_path / 'rank-000'}`"
+    )
+    for rank in range(4, 6):
+        (tmp_path / rank_dir_name(rank)).rmdir()
+    with pytest.raises(NothingToConsolidateError) as caught:
+        consolidate(tmp_path)
+    assert "(rank-000, rank-001, rank-002, rank-003);" in str(caught.value)  # no "..."
 
 
 def test_consolidate_refuses_a_live_writer(tmp_path: Path, synth: Callable[..., Synth]) -> None:
@@ -84,8 +145,13 @@ def test_consolidate_refuses_a_live_writer(tmp_path: Path, synth: Callable[..., 
     doc = json.loads(run_file.read_text())
     doc["pid"] = os.getppid()  # a live process other than this one
     run_file.write_text(json.dumps(doc))
-    with pytest.raises(RuntimeError, match="still being written"):
+    with pytest.raises(RuntimeError) as caught:
         consolidate(tmp_path)
+    assert str(caught.value) == (
+        f"{tmp_path} is still being written by process {os.getppid()} on this host; remove the "
+        "observer in that process (it finalizes the run), or pass force=True (`ti consolidate "
+        "--force`) if that process is not the writer any more"
+    )
     assert consolidate(tmp_path, force=True).history_rows > 0
 
 
