@@ -143,7 +143,7 @@ def test_every_command_recognizes_a_0_8_0_run_in_one_line(
         assert "written by torchinstruments 0.8.0" in err
         assert f"ti upgrade {args[1]} NEW_DIR" in err
         assert "Traceback" not in err
-    with pytest.raises(LegacyRunError, match="ti upgrade"):
+    with pytest.raises(LegacyRunError, match="so it cannot be consolidated; convert it with"):
         consolidate(interrupted)
     # the 0.8.0 parts were left exactly as they were
     assert sorted(p.name for p in (interrupted / "history.parts").iterdir()) == before

@@ -23,6 +23,7 @@ from _io_helpers import Synth, make_run
 
 from ti_io import (
     DirectorySink,
+    FinalizationError,
     HistoryConfig,
     NothingToConsolidateError,
     consolidate,
@@ -123,7 +124,7 @@ def test_consolidate_of_a_finished_run_reports_it(
 
 
 def test_consolidate_points_at_the_rank_directories(tmp_path: Path) -> None:
-    for rank in range(6):
+    for rank in range(5):
         (tmp_path / rank_dir_name(rank)).mkdir()
     with pytest.raises(NothingToConsolidateError) as caught:
         consolidate(tmp_path)
@@ -131,11 +132,35 @@ def test_consolidate_points_at_the_rank_directories(tmp_path: Path) -> None:
         f"{tmp_path} holds rank-private runs (rank-000, rank-001, rank-002, rank-003, ...); "
         f"consolidate each rank directory, e.g. `ti consolidate {tmp_path / 'rank-000'}`"
     )
-    for rank in range(4, 6):
-        (tmp_path / rank_dir_name(rank)).rmdir()
+    (tmp_path / rank_dir_name(4)).rmdir()
     with pytest.raises(NothingToConsolidateError) as caught:
         consolidate(tmp_path)
     assert "(rank-000, rank-001, rank-002, rank-003);" in str(caught.value)  # no "..."
+
+
+def test_a_finished_run_without_histograms_counts_none(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    s = synth()
+    _interrupted(tmp_path, s, samples=2)
+    consolidate(tmp_path)
+    (tmp_path / "histograms.parquet").unlink()  # e.g. copied without it
+    again = consolidate(tmp_path)
+    assert again.already_done
+    assert again.histogram_rows == 0
+
+
+def test_an_unreadable_journal_names_the_run_and_the_way_out(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    s = synth()
+    _interrupted(tmp_path, s, samples=2)
+    (tmp_path / "finalization.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(FinalizationError) as caught:
+        consolidate(tmp_path)
+    assert caught.value.directory == str(tmp_path)
+    assert str(caught.value).startswith(f"cannot resume the finalization of {tmp_path}: ")
+    assert "delete it and run `ti consolidate` again" in str(caught.value)
 
 
 def test_consolidate_refuses_a_live_writer(tmp_path: Path, synth: Callable[..., Synth]) -> None:
