@@ -234,7 +234,6 @@ class DirectorySink:
         _check_schema(batch, self._history_schema, "write_history")
         chunk: list[pa.RecordBatch] = []
         histograms: list[pa.RecordBatch] = []
-        overdue = False
         with self._lock:
             if batch.num_rows:
                 self._buffer.append(batch)
@@ -256,7 +255,6 @@ class DirectorySink:
         _check_schema(batch, self._histogram_schema, "write_histograms")
         chunk: list[pa.RecordBatch] = []
         histograms: list[pa.RecordBatch] = []
-        overdue = False
         with self._lock:
             if batch.num_rows:
                 self._histograms.append(batch)
