@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pytest
+import torch
 from hypothesis import settings
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from ti_core.reduction import layout
 
 METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
 
@@ -92,3 +99,49 @@ def hook_state(model: nn.Module) -> list[tuple[str, Any]]:
             )
         )
     return state
+
+
+def op_calls(fn: Callable[[], object], name: str) -> int:
+    """How many times ``fn()`` ran the aten operator ``name`` on CPU."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == name)
+
+
+def exact_row(values: np.ndarray) -> dict[str, float]:
+    """The profile row (:mod:`ti_core.reduction.layout` names) of ``values``, from numpy in
+    float64; the metrics over finite entries are absent when there are none."""
+    a = np.asarray(values, dtype=np.float64).ravel()
+    f = a[np.isfinite(a)]
+    out = {
+        "zero_fraction": np.count_nonzero(a == 0) / a.size,
+        "nonfinite_fraction": (a.size - f.size) / a.size,
+        "finite_count": float(f.size),
+    }
+    if f.size:
+        mean = math.fsum(f) / f.size
+        p25, p50, p75 = np.percentile(f, [25, 50, 75])
+        out.update(
+            mean=mean,
+            std=math.sqrt(math.fsum((f - mean) ** 2) / f.size),
+            min=float(f.min()),
+            max=float(f.max()),
+            p25=float(p25),
+            p50=float(p50),
+            p75=float(p75),
+        )
+    return out
+
+
+def assert_row(row: torch.Tensor | np.ndarray, values: np.ndarray) -> None:
+    """A profile row equals :func:`exact_row` of ``values``: order statistics, fractions and
+    counts bit for bit, the float64 sums to 1e-12."""
+    got = dict(zip(layout.COLUMNS, np.asarray(row, dtype=np.float64).tolist(), strict=True))
+    want = exact_row(values)
+    for name in layout.COLUMNS:
+        if name not in want:
+            assert math.isnan(got[name]), name
+        elif name in ("mean", "std"):
+            assert got[name] == pytest.approx(want[name], rel=1e-12, abs=1e-300), name
+        else:
+            assert got[name] == want[name], name  # order statistics, fractions, counts

@@ -199,8 +199,7 @@ def histograms_sorted(rows: list[tuple[np.ndarray, Moments]], bins: int) -> np.n
         low = up.astype(np.float64) < inner
         up[low] = np.nextafter(up[low], np.float32(math.inf))
     counts = out[:, layout.histogram_counts(bins)]
-    below = np.empty(bins + 1, dtype=np.int64)
-    below[0] = 0
+    below = np.zeros(bins + 1, dtype=np.int64)  # [0] stays 0: nothing lies below the minimum
     for r, (ordered, _) in enumerate(rows):
         nf = ordered.size
         if nf == 0:
