@@ -52,10 +52,27 @@ class WriteFailure:
 
 def conform(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
     """One table of ``batches`` in exactly ``schema`` (dictionary strings decoded)."""
-    tables = [pa.Table.from_batches([b]).cast(schema) for b in batches]
+    tables = [_conformed(b, schema) for b in batches]
     if not tables:
         return schema.empty_table()
     return pa.concat_tables(tables)
+
+
+def _conformed(batch: pa.RecordBatch, schema: pa.Schema) -> pa.Table:
+    # ti-core's batches already have the contract's fields (types, nullability, docs) and
+    # differ at most in the schema's own metadata: relabelling them copies nothing, where
+    # ``Table.cast`` runs one cast kernel per column, each releasing and re-taking the GIL
+    # that the training thread needs (issue 16). Anything else is cast, which also refuses
+    # nulls in a non-nullable column.
+    table = pa.Table.from_batches([batch])
+    same_fields = batch.schema.equals(schema.with_metadata(batch.schema.metadata or {}), True)
+    if same_fields and not any(
+        column.null_count
+        for column, field in zip(table.columns, schema, strict=True)
+        if not field.nullable
+    ):
+        return table.replace_schema_metadata(schema.metadata)
+    return table.cast(schema)
 
 
 def dictionary_columns(schema: pa.Schema) -> list[str]:
