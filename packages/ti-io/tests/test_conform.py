@@ -11,10 +11,11 @@ import pyarrow as pa
 import pytest
 
 from ti_io.parts import conform
-from ti_schema import history_schema
-from ti_schema.testing import example_history_table
+from ti_schema import histogram_schema, history_schema
+from ti_schema.testing import example_histogram_table, example_history_table
 
 RUN_SCHEMA = history_schema("ti-core 0.2.0", window=20)
+HISTOGRAMS = histogram_schema("ti-core 0.2.0", window=20)
 
 
 def batches(dictionary: bool = False) -> list[pa.RecordBatch]:
@@ -52,6 +53,24 @@ def test_nulls_in_a_non_nullable_column_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="layer"):
         conform([broken], RUN_SCHEMA)
+
+
+def test_nulls_are_refused_where_the_nullable_columns_hold_none() -> None:
+    table = example_histogram_table(producer="ti-core 0.2.0")
+    table = table.filter(table["min"].is_valid())  # every nullable column without nulls
+    i = table.schema.get_field_index("layer")
+    nulls = pa.array([None] * table.num_rows, pa.string())
+    broken = table.set_column(i, table.schema.field(i), nulls).combine_chunks().to_batches()
+    with pytest.raises(ValueError, match="layer"):
+        conform(broken, HISTOGRAMS)
+
+
+def test_other_field_metadata_is_replaced_by_the_contracts() -> None:
+    (batch, *_) = batches()
+    bare = pa.schema([f.remove_metadata() for f in batch.schema], metadata=batch.schema.metadata)
+    table = conform([pa.RecordBatch.from_arrays(batch.columns, schema=bare)], RUN_SCHEMA)
+    assert table.schema.equals(RUN_SCHEMA, check_metadata=True)
+    assert table.to_pylist() == batch.to_pylist()
 
 
 def test_no_batches_give_an_empty_table_of_the_schema() -> None:
