@@ -30,3 +30,11 @@ if profile := os.environ.get("TI_HYPOTHESIS_PROFILE"):
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def torch_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors down the torch engine, the one accelerators use (it runs on any device)."""
+    from ti_core.reduction import support
+
+    monkeypatch.setattr(support, "uses_numpy", lambda device: False)

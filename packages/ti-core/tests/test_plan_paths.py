@@ -45,11 +45,6 @@ def faulty() -> Any:
     Faulty.fail = frozenset()
 
 
-@pytest.fixture
-def torch_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(support, "uses_numpy", lambda device: False)
-
-
 def assert_exact(m: plan_module.Measurements, i: int, t: torch.Tensor) -> None:
     want = exact_row(t.detach().to(torch.float64).numpy())
     for j, name in enumerate(DEFAULT_METRICS):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from _core_helpers import assert_row, exact_row, op_calls
 
-from ti_core.reduction import DefaultProfile, ReductionPlan, bands, layout, support
+from ti_core.reduction import DefaultProfile, ReductionPlan, bands, layout
 from ti_core.reduction import torch_rows as rows
 from ti_core.reduction import torch_select as sel
 from ti_schema import DEFAULT_METRICS
@@ -285,11 +285,6 @@ def test_batched_rows_pad_rows_of_several_widths() -> None:
 
 
 # -- the plan on the torch engine ---------------------------------------------------------------
-
-
-@pytest.fixture
-def torch_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(support, "uses_numpy", lambda device: False)
 
 
 @pytest.mark.usefixtures("torch_engine")
