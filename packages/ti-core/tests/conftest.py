@@ -38,3 +38,12 @@ def torch_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from ti_core.reduction import support
 
     monkeypatch.setattr(support, "uses_numpy", lambda device: False)
+
+
+@pytest.fixture
+def every_signal_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every signal goes to the emission worker, small ones too, instead of being written at once
+    while the worker is idle: for tests of the worker and its queue."""
+    from ti_core.emission import emitters
+
+    monkeypatch.setattr(emitters, "INLINE_SIGNAL_BYTES", -1)

@@ -34,6 +34,7 @@ from ti_core import (
     resolve,
 )
 from ti_core.api import ObserverOptions
+from ti_core.capture.hooks import CallOverride, PassthroughCall
 from ti_schema.testing import assert_histograms_conform
 
 
@@ -354,13 +355,18 @@ def test_copies_are_unobserved_and_still_run() -> None:
     n_rows = sink.table().num_rows
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert not has_observer(clone)
-        assert clone[0]._forward_hooks  # per-module hooks stay installed while sampling
+        # per-module capture (a _call_impl override) stays installed while sampling; the copy
+        # gets torch's own in its place
+        assert isinstance(model[0].__dict__["_call_impl"], CallOverride)
+        assert isinstance(clone[0].__dict__["_call_impl"], PassthroughCall)
+        assert clone._forward_hooks  # the root's hooks
         out = clone(torch.randn(2, 3))
         out.sum().backward()
         assert out.shape == (2, 2)
         assert sink.table().num_rows == n_rows
         # a copy's inherited hooks are inert and remove themselves at their first call
         assert all(not m._forward_hooks and not m._forward_pre_hooks for m in clone.modules())
+        assert all("_call_impl" not in m.__dict__ for m in clone.modules())
         remove_observer(clone)
     assert has_observer(model)
     model(torch.randn(1, 3))

@@ -56,6 +56,11 @@ DEADLINE_S = 60.0
 """Upper bound for a wait that a correct implementation ends at once (a hang guard only)."""
 
 
+# These tests are about the worker and its queue: their small signals go to it too, instead of
+# being written at once while it is idle (test_small_signals.py covers that).
+pytestmark = pytest.mark.usefixtures("every_signal_queued")
+
+
 # ----------------------------------------------------------------------------- helpers
 
 

@@ -27,9 +27,13 @@ from ti_core.gate import GateState
 
 
 def _hook_counts(model: nn.Module) -> tuple[int, int]:
-    """(hooks on the root, forward hooks on every other module)."""
+    """(hooks on the root, forward hooks and call overrides on every other module)."""
     root = len(model._forward_pre_hooks) + len(model._forward_hooks)
-    others = sum(len(m._forward_hooks) for m in model.modules() if m is not model)
+    others = sum(
+        len(m._forward_hooks) + ("_call_impl" in m.__dict__)
+        for m in model.modules()
+        if m is not model
+    )
     return root, others
 
 
@@ -144,6 +148,7 @@ def test_read_capabilities_reads_each_declaration_and_probes_nothing() -> None:
     assert declared.on_barrier == declaring.barriers.append
 
 
+@pytest.mark.usefixtures("every_signal_queued")
 @pytest.mark.parametrize("background", [True, False])
 def test_the_worker_is_used_only_when_every_sink_declares_background_writes(
     background: bool,

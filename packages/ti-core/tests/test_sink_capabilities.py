@@ -104,6 +104,7 @@ def test_a_malformed_declaration_is_refused_before_any_sink_opens(declared: Any)
     assert not has_observer(model)
 
 
+@pytest.mark.usefixtures("every_signal_queued")
 def test_barrier_goes_to_the_sinks_that_ask_when_the_worker_writes() -> None:
     model = make_model()
     asking, silent = BarrierRecordingSink(), DeclaringSink(SinkCapabilities(background_writes=True))

@@ -18,7 +18,8 @@ State (:class:`GateState`, one value per gate, changed under its lock)::
     any but CLOSED ──close──> CLOSED (final)
 
 - ``IDLE``: only the two root hooks exist; an unsampled root forward runs them and nothing else.
-- ``CAPTURING``: per-module capture (forward hooks, or ``forward`` overrides) is installed;
+- ``CAPTURING``: per-module capture (``_call_impl`` overrides, forward hooks, or ``forward``
+  overrides: :meth:`Gate._install_capture_locked`) is installed;
   samples may be in flight on several threads (:attr:`Gate.in_flight`).
 - ``COMPILED``: the model runs under ``torch.compile`` (:mod:`ti_core.compiled`). Per-module
   capture stays installed until removal, because Dynamo guards on module hooks and changing
@@ -52,7 +53,15 @@ from torch import nn
 
 from ti_core.capture.context import in_backward
 from ti_core.capture.gradients import GradHook
-from ti_core.capture.hooks import CallHook, RootPostHook, RootPreHook, install_forward_override
+from ti_core.capture.hooks import (
+    CallHook,
+    RootPostHook,
+    RootPreHook,
+    call_overridable,
+    install_call_override,
+    install_forward_override,
+    remove_call_overrides,
+)
 from ti_core.capture.parameters import ParameterCapture
 from ti_core.capture.sample import Sample
 from ti_core.capture.updates import OptimizerHook
@@ -81,6 +90,7 @@ _CAPTURING: Final = GateState.CAPTURING
 _COMPILED: Final = GateState.COMPILED
 _AHEAD: Final = GateState.COMPILED_AHEAD
 _CLOSED: Final = GateState.CLOSED
+_graph_task_id: Final = torch._C._current_graph_task_id
 
 
 class SampleOwner(Protocol):
@@ -122,6 +132,7 @@ class Gate:
         capture_direct_forwards: bool,
         owner: SampleOwner,
         parameters: ParameterCapture | None = None,
+        call_overrides: bool = True,
     ) -> None:
         self._modules = [weakref.ref(m) for m in modules]
         self._root_layer = root_layer
@@ -139,6 +150,11 @@ class Gate:
         # Every hook this gate installed, as the function that removes it exactly.
         self._root_removers: list[Callable[[], None]] = []
         self._capture_removers: list[Callable[[], None]] = []
+        self._call_overrides = call_overrides
+        """Whether eager capture may use :class:`CallOverride` (not inside ``DataParallel``,
+        whose replicas copy a module's ``__dict__``; turned off when a replica is met)."""
+        self._overrides = False
+        """Whether any installed capture is a :class:`CallOverride`."""
         # Compiled graphs (ti_core.compiled): the key traced hooks carry, the flags the graphs
         # read at trace time, the tensor paths they record, the decision taken ahead.
         self._trace_key, self._flags = operators.register(self, root_layer)
@@ -243,7 +259,12 @@ class Gate:
         """Whether this gate's global optimizer step hooks are registered now."""
         return bool(self._optimizer_removers)
 
-    def _install_capture_locked(self) -> None:
+    def _install_capture_locked(self, *, compiled: bool = False) -> None:
+        """Per-module capture on every selected module but the root: a ``forward`` override
+        with ``capture_direct_forwards``; else, eagerly, a :class:`CallOverride` wherever
+        :func:`call_overridable` (torch keeps its fast call path) and a forward hook elsewhere;
+        ``compiled``: forward hooks, which Dynamo traces."""
+        overrides = self._call_overrides and not compiled and not self._direct
         try:
             for layer, ref in enumerate(self._modules):
                 module = ref()
@@ -251,6 +272,9 @@ class Gate:
                     continue
                 if self._direct:
                     self._capture_removers.append(install_forward_override(self, layer, module))
+                elif overrides and call_overridable(module):
+                    self._capture_removers.append(install_call_override(self, layer, module))
+                    self._overrides = True
                 else:
                     handle = module.register_forward_hook(CallHook(self, layer))
                     self._capture_removers.append(handle.remove)
@@ -261,6 +285,7 @@ class Gate:
 
     def _remove_capture_locked(self) -> None:
         removers, self._capture_removers = self._capture_removers, []
+        self._overrides = False
         for remove in reversed(removers):
             remove()
         if self._state is _CAPTURING:
@@ -341,6 +366,19 @@ class Gate:
             with self._lock:
                 self._in_flight -= 1
 
+    def replica_entered(self, root: nn.Module) -> None:
+        """A ``DataParallel`` replica of the root starts a forward: its modules copied their
+        originals' ``__dict__`` (a :class:`CallOverride` there would run the original) but share
+        their hook dicts. Capture is by forward hooks from now on, these included."""
+        remove_call_overrides(root)  # every replica's own copies, whichever comes first
+        with self._lock:
+            self._call_overrides = False
+            state = self._state
+            if self._overrides and state is not _CLOSED:
+                self._remove_capture_locked()
+                self._install_capture_locked(compiled=state is _COMPILED or state is _AHEAD)
+                self._state = state
+
     def root_exit(self, module: nn.Module, output: Any) -> None:
         """Forward hook of the root (also runs when the forward raised): end the sample."""
         local = self._local
@@ -373,7 +411,7 @@ class Gate:
     def capture(self, layer: int, module: nn.Module, output: Any) -> None:
         """One call of a selected module during a sampled forward of this thread."""
         sample = self._local.sample
-        if sample is None or in_backward():
+        if sample is None or _graph_task_id() != -1:  # in_backward(), inlined: every call
             return
         try:
             sample.record(layer, module, output)
@@ -392,7 +430,7 @@ class Gate:
             if state is _CLOSED or state is _AHEAD or (state is _COMPILED and not ahead):
                 return
             if state is _IDLE:
-                self._install_capture_locked()
+                self._install_capture_locked(compiled=True)
             self._state = _AHEAD if ahead else _COMPILED
         if ahead:
             self._decide_ahead()  # the forward being traced now runs on this decision

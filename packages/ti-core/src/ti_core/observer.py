@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 
 from torch import nn
 
-from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, TensorBatch
+from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, StructureMemo, TensorBatch
 from ti_core.capture.gradients import GradientState, GradientTarget
 from ti_core.capture.parameter_target import ParameterTarget
 from ti_core.capture.parameters import ParameterCapture
@@ -64,6 +64,7 @@ class Observer:
         self._plan = plan
         self._focus = frozenset(focus)
         self._pool = SnapshotPool()
+        self._memo = StructureMemo()
         self.sinks = SinkFanout(sinks, capabilities, errors)
         """Every sink of the run: all writes, and the one close of each."""
         writer = SignalWriter(columns, self.sinks, errors)
@@ -93,6 +94,7 @@ class Observer:
             capture_direct_forwards=capture_direct_forwards,
             owner=self,
             parameters=self.parameters,
+            call_overrides=not any(isinstance(m, nn.DataParallel) for m in root.modules()),
         )
         """Sampling decisions and every hook of this observer."""
 
@@ -204,7 +206,7 @@ class Observer:
     # ------------------------------------------------------------------ GradientTarget
 
     def new_batch(self) -> TensorBatch:
-        return TensorBatch(self._plan, self._focus, pool=self._pool)
+        return TensorBatch(self._plan, self._focus, pool=self._pool, memo=self._memo)
 
     def finish_gradients(self, state: GradientState, batch: TensorBatch) -> None:
         """End of a backward that reached ``state``'s sample (autograd engine callback)."""

@@ -53,6 +53,7 @@ class Entries:
         "call_index",
         "dtype",
         "grad_enabled",
+        "key",
         "layer",
         "path",
         "shape",
@@ -69,6 +70,10 @@ class Entries:
         self.shape: list[tuple[int, ...]] = []
         self.dtype: list[str] = []
         self.timestamp_us: list[int] = []
+        self.key: int | None = None
+        """Equal for entries whose columns, all but ``timestamp_us``, are equal (None: not
+        known). Capture sets it where it reuses the columns of an earlier batch, and the record
+        batches then reuse the identity columns built for that key."""
 
     def __len__(self) -> int:
         return len(self.layer)
@@ -96,8 +101,10 @@ class Entries:
         shape: list[tuple[int, ...]],
         dtype: list[str],
         timestamp_us: list[int],
+        key: int | None = None,
     ) -> Entries:
-        """Entries from equally long columns (taken, not copied)."""
+        """Entries from equally long columns (taken, not copied; columns shared under a ``key``
+        are never changed)."""
         lengths = {len(c) for c in (layer, call_index, path, train, grad_enabled, shape, dtype)}
         if lengths != {len(timestamp_us)}:
             raise ValueError(f"entry columns differ in length: {sorted(lengths)}")
@@ -105,6 +112,7 @@ class Entries:
         out.layer, out.call_index, out.path, out.train = layer, call_index, path, train
         out.grad_enabled, out.shape, out.dtype = grad_enabled, shape, dtype
         out.timestamp_us = timestamp_us
+        out.key = key
         return out
 
     @classmethod
@@ -132,10 +140,13 @@ class Entries:
         if not rows:
             return out
         get = itemgetter(*rows)
-        for name in Entries.__slots__:
+        for name in _COLUMNS:
             picked = get(getattr(self, name))
             setattr(out, name, list(picked) if len(rows) > 1 else [picked])
         return out
+
+
+_COLUMNS = tuple(name for name in Entries.__slots__ if name != "key")
 
 
 def as_entries(entries: Entries | Sequence[Entry]) -> Entries:
@@ -191,16 +202,10 @@ class RunColumns:
     ) -> tuple[list[pa.Array], np.ndarray]:
         """Columns that depend only on the entries' identity (all but timestamp, sample and
         forward index), ``repeat`` rows per entry, and the row-to-entry index."""
-        key = (
-            signal,
-            repeat,
-            tuple(entries.layer),
-            tuple(entries.call_index),
-            tuple(entries.path),
-            tuple(entries.train),
-            tuple(entries.grad_enabled),
-            tuple(entries.shape),
-            tuple(entries.dtype),
+        key: tuple[object, ...] = (
+            (signal, repeat, entries.key)
+            if entries.key is not None
+            else self._content_key(signal, entries, repeat)
         )
         with self._static_lock:
             hit = self._static.get(key)
@@ -212,6 +217,20 @@ class RunColumns:
                 self._static.pop(next(iter(self._static)))
             self._static[key] = [*columns, pa.array(rep)]
         return columns, rep
+
+    @staticmethod
+    def _content_key(signal: SignalName, entries: Entries, repeat: int) -> tuple[object, ...]:
+        return (
+            signal,
+            repeat,
+            tuple(entries.layer),
+            tuple(entries.call_index),
+            tuple(entries.path),
+            tuple(entries.train),
+            tuple(entries.grad_enabled),
+            tuple(entries.shape),
+            tuple(entries.dtype),
+        )
 
 
 _TIMESTAMP = pa.timestamp("us", tz="UTC")

@@ -9,7 +9,6 @@ from the compact digest built while streaming (:mod:`ti_io.digest`).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import gc
 import os
@@ -25,12 +24,12 @@ import pyarrow.parquet as pq
 
 from ti_io.config import HistoryConfig
 from ti_io.digest import HistoryDigest
+from ti_io.encoding import dictionary_columns, dictionary_schema, footer_metadata
 from ti_io.errors import FinalizationBusyError, FinalizationError, NothingToConsolidateError
 from ti_io.facts import RunFacts, read_run_facts
 from ti_io.index_md import write_index
 from ti_io.journal import Resumption, finalize_run, read_journal, stopped
 from ti_io.legacy_layout import check_not_legacy
-from ti_io.parts import dictionary_columns
 from ti_io.progress import ProgressCallback
 from ti_io.publishing import publish_with
 from ti_io.result_json import render, write_result_json
@@ -62,26 +61,6 @@ class Consolidated:
     resumed_from: str | None = None
     """The journal state an interrupted finalization was resumed from (``"writing"``,
     ``"written"``), or None."""
-
-
-def _dictionary_schema(schema: pa.Schema) -> pa.Schema:
-    """``schema`` with its string columns dictionary-encoded: how parts are read."""
-    return pa.schema(
-        [
-            f.with_type(pa.dictionary(pa.int32(), f.type)) if pa.types.is_string(f.type) else f
-            for f in schema
-        ],
-        metadata=schema.metadata,
-    )
-
-
-def _footer_metadata(schema: pa.Schema) -> dict[bytes, bytes]:
-    """The footer key-value metadata that pyarrow writes for a table of ``schema``: the
-    schema's own metadata and the serialized Arrow schema (``ARROW:schema``, base64; Arrow's
-    convention), from which readers restore the exact Arrow types and field metadata."""
-    metadata = dict(schema.metadata or {})
-    metadata[b"ARROW:schema"] = base64.b64encode(schema.serialize().to_pybytes())
-    return metadata
 
 
 def _read_part(path: Path, read_schema: pa.Schema) -> pa.Table:
@@ -132,7 +111,7 @@ def _stream_parts(
     one and the next. ``on_part`` is called after each part is read (progress).
     """
     rows = 0
-    read_schema = _dictionary_schema(schema)
+    read_schema = dictionary_schema(schema)
 
     def write(tmp: Path) -> None:
         nonlocal rows
@@ -164,7 +143,7 @@ def _stream_parts(
                 rows += group.num_rows
             if digested is not None:
                 digested.result()
-            writer.add_key_value_metadata(_footer_metadata(schema))
+            writer.add_key_value_metadata(footer_metadata(schema))
 
     publish_with(final, write)
     return rows

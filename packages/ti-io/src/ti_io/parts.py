@@ -20,6 +20,13 @@ from typing import Final, Literal, TypeAlias, assert_never
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ti_io.encoding import (
+    DictionaryCache,
+    dictionary_columns,
+    dictionary_schema,
+    footer_metadata,
+    plain_schema,
+)
 from ti_io.errors import ArtifactWriteError
 from ti_io.publishing import publish_with
 from ti_io.tensorboard_sink import EventFileHistograms
@@ -75,24 +82,40 @@ def _conformed(batch: pa.RecordBatch, schema: pa.Schema) -> pa.Table:
     return table.cast(schema)
 
 
-def dictionary_columns(schema: pa.Schema) -> list[str]:
-    """Columns worth Parquet dictionary encoding: the strings. (Encoding floats, ids and
-    timestamps too costs CPU and makes the file larger.)"""
-    return [f.name for f in schema if pa.types.is_string(f.type)]
+def part_table(
+    batches: list[pa.RecordBatch], schema: pa.Schema, cache: DictionaryCache
+) -> pa.Table:
+    """One part's rows: :func:`conform`'s table with its string columns dictionary-encoded
+    (one dictionary per column), encoded through ``cache``."""
+    table = conform(batches, schema)
+    encoded = dictionary_schema(schema)
+    columns = [
+        pa.chunked_array([cache.encode(chunk) for chunk in column.chunks], field.type)
+        if pa.types.is_dictionary(field.type)
+        else column
+        for column, field in zip(table.columns, encoded, strict=True)
+    ]
+    return pa.Table.from_arrays(columns, schema=encoded).unify_dictionaries()
 
 
 def write_parquet(path: Path, table: pa.Table) -> None:
-    """Publish ``table`` atomically at ``path``."""
-    publish_with(
-        path,
-        lambda tmp: pq.write_table(
-            table,
+    """Publish ``table`` atomically at ``path``; dictionary-encoded string columns are stored
+    as such and read back as the strings of :func:`~ti_io.encoding.plain_schema` (the footer
+    records that schema)."""
+
+    def write(tmp: Path) -> None:
+        with pq.ParquetWriter(
             tmp,
+            table.schema.remove_metadata(),
             compression=PART_COMPRESSION,
             use_dictionary=dictionary_columns(table.schema),
             write_statistics=False,
-        ),
-    )
+            store_schema=False,  # the footer records the plain schema instead (below)
+        ) as writer:
+            writer.write_table(table)
+            writer.add_key_value_metadata(footer_metadata(plain_schema(table.schema)))
+
+    publish_with(path, write)
 
 
 def publish_part(path: Path, table: pa.Table) -> None:
@@ -134,6 +157,7 @@ class PartWriter:
         self._histogram_index = 0
         self._pending_histograms: list[pa.RecordBatch] = []
         self._pending_histogram_rows = 0
+        self._dictionaries = DictionaryCache()
         self._thread = threading.Thread(target=self._run, name="ti-io-part-writer", daemon=True)
         self._thread.start()
 
@@ -218,7 +242,7 @@ class PartWriter:
         self._history_index += 1
         rows = sum(b.num_rows for b in batches)
         try:
-            publish_part(path, conform(batches, self._history_schema))
+            publish_part(path, part_table(batches, self._history_schema, self._dictionaries))
         except Exception as exc:  # recorded and reported on the training thread
             self._fail(path, exc, rows, "history rows")
 
@@ -230,7 +254,7 @@ class PartWriter:
         path = self._histogram_dir / part_name(self._histogram_index)
         self._histogram_index += 1
         try:
-            publish_part(path, conform(batches, self._histogram_schema))
+            publish_part(path, part_table(batches, self._histogram_schema, self._dictionaries))
         except Exception as exc:
             self._fail(path, exc, rows, "histogram rows")
 

@@ -8,11 +8,12 @@ too big for :data:`SNAPSHOT_BUDGET_BYTES`, which is reduced at once, in place.
 
 from __future__ import annotations
 
+import itertools
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import Final, overload
+from typing import Any, Final, overload
 
 import numpy as np
 import torch
@@ -53,11 +54,128 @@ class Reduced:
     )
 
 
-Row = tuple[int, int, str, bool, bool, int, int]
-"""One entry as capture records it: ``(layer, call_index, path, train, grad_enabled, slot,
-timestamp_us)``. A tuple of atomic values: one allocation per module call, which the cyclic
-collector stops tracking at its next pass (an object per entry made its full passes frequent on
-wide models)."""
+Row = tuple[int, int, str, bool, bool, int]
+"""One entry as capture records it: ``(layer, call_index, path, train, grad_enabled, slot)``,
+its time in a list beside it. A tuple of atomic values: one allocation per module call, which
+the cyclic collector stops tracking at its next pass (an object per entry made its full passes
+frequent on wide models). Without the time, a training loop records equal rows sample after
+sample, which :class:`StructureMemo` turns into reused columns."""
+
+_TOKENS = itertools.count(1)
+_Columns = tuple[
+    list[int], list[int], list[str], list[bool], list[bool], list[tuple[int, ...]], list[str]
+]
+
+
+class EntryStructure:
+    """Entries without their times: the identity columns and the slot of each entry. Built
+    once and reused by every later batch whose rows, slots, shapes and dtypes are equal; its
+    token (:attr:`ti_core.records.Entries.key`) names it to the record batches, which then reuse
+    the identity columns they built for it. Never changed once built; shared across threads."""
+
+    __slots__ = ("_histograms", "columns", "slot_of", "token")
+
+    def __init__(self, columns: _Columns, slot_of: list[int]) -> None:
+        self.columns = columns
+        self.slot_of = slot_of
+        self.token = next(_TOKENS)
+        self._histograms: (
+            tuple[frozenset[int], frozenset[int], list[int], EntryStructure | None] | None
+        ) = None
+
+    @classmethod
+    def of_rows(
+        cls, rows: Sequence[Row], shapes: list[tuple[int, ...]], dtypes: list[str]
+    ) -> EntryStructure:
+        """The structure of ``rows`` (at least one), whose slots have ``shapes`` and ``dtypes``."""
+        layer, call_index, path, train, grad_enabled, slot_of = (
+            list(c) for c in zip(*rows, strict=True)
+        )
+        return cls(
+            (
+                layer,
+                call_index,
+                path,
+                train,
+                grad_enabled,
+                [shapes[s] for s in slot_of],
+                [dtypes[s] for s in slot_of],
+            ),
+            slot_of,
+        )
+
+    def entries(self, stamps: list[int]) -> Entries:
+        """These entries, at the times ``stamps``."""
+        return Entries.of_columns(*self.columns, stamps, key=self.token)
+
+    def histogram_rows(
+        self, slots: frozenset[int], focus: frozenset[int]
+    ) -> tuple[list[int], EntryStructure | None]:
+        """The entries of focus layers whose slot is one of ``slots`` (those with a histogram),
+        and their structure (None when there are none)."""
+        cached = self._histograms
+        if cached is not None and cached[0] == slots and cached[1] == focus:
+            return cached[2], cached[3]
+        rows = [
+            i
+            for i, (layer, slot) in enumerate(zip(self.columns[0], self.slot_of, strict=True))
+            if slot in slots and layer in focus
+        ]
+        picked = None
+        if rows:
+            layer, call_index, path, train, grad_enabled, shape, dtype = self.columns
+            picked = EntryStructure(
+                (
+                    [layer[i] for i in rows],
+                    [call_index[i] for i in rows],
+                    [path[i] for i in rows],
+                    [train[i] for i in rows],
+                    [grad_enabled[i] for i in rows],
+                    [shape[i] for i in rows],
+                    [dtype[i] for i in rows],
+                ),
+                [self.slot_of[i] for i in rows],
+            )
+        self._histograms = (slots, focus, rows, picked)
+        return rows, picked
+
+
+class StructureMemo:
+    """The entry structures of an observer's recent batches, found again by equal rows.
+
+    A training loop records the same layers, calls, paths, modes, shapes and dtypes sample after
+    sample; comparing a batch's row lists with a remembered batch's is one C-level pass, where
+    building the columns again (and the record batches' key of them) is a Python pass per entry.
+    Shared by the threads that finish batches.
+    """
+
+    _MAX = 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._recent: dict[tuple[object, ...], tuple[tuple[list[Any], ...], EntryStructure]] = {}
+
+    def structure(
+        self,
+        fingerprint: tuple[object, ...],
+        compared: tuple[list[Any], ...],
+        rows: Callable[[], Sequence[Row]],
+        shapes: list[tuple[int, ...]],
+        dtypes: list[str],
+    ) -> EntryStructure:
+        """The structure remembered under ``fingerprint`` if it was built from lists equal to
+        ``compared``; else a new one, built from ``rows()``, that replaces it."""
+        with self._lock:
+            found = self._recent.get(fingerprint)
+        if found is not None and found[0] == compared:
+            return found[1]
+        built = EntryStructure.of_rows(rows(), shapes, dtypes)
+        kept = tuple(list(c) for c in compared)
+        with self._lock:
+            if fingerprint not in self._recent and len(self._recent) >= self._MAX:
+                self._recent.pop(next(iter(self._recent)))
+            self._recent[fingerprint] = (kept, built)
+        return built
 
 
 class TensorBatch:
@@ -81,8 +199,10 @@ class TensorBatch:
         focus: frozenset[int],
         bins: int = DEFAULT_BINS,
         pool: SnapshotPool | None = None,
+        memo: StructureMemo | None = None,
     ):
         self._plan = plan
+        self._memo = memo if memo is not None else StructureMemo()
         # Recycled snapshot buffers, only when no user code (a custom reducer) sees them.
         self._pool = pool if plan.default_only else None
         self._pooled: list[torch.Tensor] = []
@@ -91,6 +211,8 @@ class TensorBatch:
         self._n_metrics = len(plan.metric_names)
         self.rows: list[Row] = []
         """Entries added with :meth:`add`, in order (complete once the signal ends)."""
+        self.stamps: list[int] = []
+        """The time of each of :attr:`rows` (microseconds since the epoch)."""
         self._slot_focus: list[bool] = []
         self._slot_shape: list[tuple[int, ...]] = []
         self._slot_dtype: list[str] = []
@@ -132,20 +254,22 @@ class TensorBatch:
         timestamp_us: int,
     ) -> int:
         """Record one entry measuring ``tensor`` (it becomes ``rows[-1]``); returns its slot."""
-        # the unchanged-tensor test of _slot, inlined: it runs for every module call
+        # the unchanged-tensor test of _slot, inlined: it runs for every module call (a tensor
+        # found in _seen has a version counter: inference tensors are never entered there)
         seen = self._seen.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor_version(tensor):
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
             slot = seen[2]
             if layer in self._focus:
                 self._slot_focus[slot] = True
         else:
             slot = self._slot(tensor, layer in self._focus)
-        self.rows.append((layer, call_index, path, train, grad_enabled, slot, timestamp_us))
+        self.rows.append((layer, call_index, path, train, grad_enabled, slot))
+        self.stamps.append(timestamp_us)
         return slot
 
     def entry(self, row: int) -> Entry:
         """Entry ``row`` of :attr:`rows`, whole (for the rare rows that need one alone)."""
-        layer, call_index, path, train, grad_enabled, slot, stamp = self.rows[row]
+        layer, call_index, path, train, grad_enabled, slot = self.rows[row]
         return Entry(
             layer,
             call_index,
@@ -154,7 +278,7 @@ class TensorBatch:
             grad_enabled,
             self._slot_shape[slot],
             self._slot_dtype[slot],
-            stamp,
+            self.stamps[row],
         )
 
     def add_derived(
@@ -259,60 +383,59 @@ class TensorBatch:
             self._pool.recycle(self._pooled)
             self._pooled = []
 
-    def _entries(self) -> tuple[Entries, list[int]]:
-        """The entries as columns, and the slot of each (derived ones resolved)."""
+    def _entries(self) -> tuple[Entries, EntryStructure | None]:
+        """The entries as columns, and their structure (derived ones resolved)."""
+        shapes, dtypes = self._slot_shape, self._slot_dtype
         if self._source is not None and self._picks:
-            picks = self._picks
-            picked = itemgetter(*picks)(self._source)
-            rows = list(picked) if len(picks) > 1 else [picked]
-            columns = list(zip(*rows, strict=True))
-            layer, call_index, path, train, grad_enabled = (list(c) for c in columns[:5])
-            slots, stamps = self._pick_slot, self._pick_stamp
-        elif self.rows:
-            layer, call_index, path, train, grad_enabled, slots, stamps = (
-                list(c) for c in zip(*self.rows, strict=True)
+            source, picks, slots = self._source, self._picks, self._pick_slot
+            structure = self._memo.structure(
+                (True, len(picks), picks[0], len(shapes)),
+                (source, picks, slots, shapes, dtypes),
+                lambda: [(*source[r][:5], s) for r, s in zip(picks, slots, strict=True)],
+                shapes,
+                dtypes,
             )
+            stamps = self._pick_stamp
+        elif self.rows:
+            rows = self.rows
+            structure = self._memo.structure(
+                (False, len(rows), rows[0], len(shapes)),
+                (rows, shapes, dtypes),
+                lambda: rows,
+                shapes,
+                dtypes,
+            )
+            stamps = self.stamps
         else:
-            return Entries(), []
-        shape = itemgetter(*slots)(self._slot_shape)
-        dtype = itemgetter(*slots)(self._slot_dtype)
-        if len(slots) == 1:
-            shape, dtype = (shape,), (dtype,)
-        return (
-            Entries.of_columns(
-                layer, call_index, path, train, grad_enabled, list(shape), list(dtype), stamps
-            ),
-            slots,
-        )
+            return Entries(), None
+        return structure.entries(stamps), structure
 
     def finish(self) -> Reduced:
         """Reduce what is pending and return every measurement in entry order."""
         self._reduce_pending()
         self._seen.clear()
-        entries, slot_of = self._entries()
+        entries, structure = self._entries()
         m = self._n_metrics
-        if not slot_of:
+        if structure is None:
             return Reduced(entries, np.empty((0, m)), np.empty((0, m), np.bool_), [], self._errors)
         row_of_slot = np.empty(len(self._slot_focus), dtype=np.int64)
         row_of_slot[np.asarray(self._reduced_slots, dtype=np.int64)] = np.arange(
             len(self._reduced_slots)
         )
+        slot_of = structure.slot_of
         rows = row_of_slot[np.asarray(slot_of, dtype=np.int64)]
         values = np.concatenate(self._values)[rows]
         available = np.concatenate(self._available)[rows]
         reasons = _RowReasons(self._reasons, rows)
         reduced = Reduced(entries, values, available, reasons, self._errors)
         if self._hist:
-            focus, hist = self._focus, self._hist
-            hist_rows = [
-                i
-                for i, (layer, slot) in enumerate(zip(entries.layer, slot_of, strict=True))
-                if slot in hist and layer in focus
-            ]
-            if hist_rows:
-                matrix = np.stack([hist[slot_of[i]] for i in hist_rows])
+            hist = self._hist
+            hist_rows, picked = structure.histogram_rows(frozenset(hist), self._focus)
+            if picked is not None:
+                matrix = np.stack([hist[slot] for slot in picked.slot_of])
                 reduced.histograms = HistogramRows(matrix, self._bins)
-                reduced.histogram_entries = entries.take(hist_rows)
+                stamps = entries.timestamp_us
+                reduced.histogram_entries = picked.entries([stamps[i] for i in hist_rows])
         return reduced
 
 
@@ -337,4 +460,12 @@ class _RowReasons(Sequence[list[str | None]]):
         return self._by_row[int(self._rows[i])]
 
 
-__all__ = ["SNAPSHOT_BUDGET_BYTES", "Reduced", "Row", "TensorBatch", "tensor_version"]
+__all__ = [
+    "SNAPSHOT_BUDGET_BYTES",
+    "EntryStructure",
+    "Reduced",
+    "Row",
+    "StructureMemo",
+    "TensorBatch",
+    "tensor_version",
+]

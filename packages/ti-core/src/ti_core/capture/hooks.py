@@ -1,9 +1,10 @@
 """The hook objects torch calls, and the small protocol they call into.
 
 Lifecycle (the gate, :mod:`ti_core.gate`, installs and removes them all): two permanent hooks on
-the root module; per-module forward hooks (or, with ``capture_direct_forwards``, instance-level
-``forward`` overrides) only while sampling. Gradient hooks (:mod:`ti_core.capture.gradients`)
-live on the autograd graph and die with it.
+the root module; per-module capture only while sampling: instance-level ``_call_impl`` overrides
+(:class:`CallOverride`, eager, where possible), forward hooks (:class:`CallHook`, elsewhere and
+in compiled graphs), or, with ``capture_direct_forwards``, instance-level ``forward`` overrides.
+Gradient hooks (:mod:`ti_core.capture.gradients`) live on the autograd graph and die with it.
 
 Every hook object pickles and deep-copies to an inert no-op, so ``copy.deepcopy(model)`` and
 ``torch.save(model)`` give unobserved copies that still run; the first call of a copied hook
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, Final, Protocol
 
+import torch
 from torch import nn
 
 from ti_core.compiled import traced
@@ -42,6 +44,10 @@ class CaptureTarget(Protocol):
 
     def root_exit(self, module: nn.Module, output: Any) -> None:
         """A root forward ended (also when it raised)."""
+        ...
+
+    def replica_entered(self, root: nn.Module) -> None:
+        """A ``DataParallel`` replica of the root starts a forward (before :meth:`root_enter`)."""
         ...
 
     def capture(self, layer: int, module: nn.Module, output: Any) -> None:
@@ -97,6 +103,8 @@ def scrub_copied_hooks(module: nn.Module) -> None:
                     ids.pop(key, None)
     if isinstance(module.__dict__.get("forward"), PassthroughForward):
         del module.__dict__["forward"]
+    if isinstance(module.__dict__.get("_call_impl"), PassthroughCall):
+        del module.__dict__["_call_impl"]
 
 
 class HookObject:
@@ -121,6 +129,8 @@ class RootPreHook(HookObject):
         if is_compiling():
             traced.root_enter(self.key)
         else:
+            if module.__dict__.get("_is_replica"):  # a DataParallel replica of the root
+                self.target.replica_entered(module)
             self.target.root_enter(sys._getframe(1))
 
 
@@ -206,6 +216,100 @@ class ForwardOverride(HookObject):
         return output
 
 
+_call_impl: Final[Callable[..., Any]] = nn.Module._call_impl
+
+
+class CallOverride(HookObject):
+    """Instance-level ``_call_impl`` of a selected module: captures each call through
+    ``module(...)`` once torch's own ``_call_impl`` (with the module's hooks) has returned.
+
+    What the gate installs by default in eager mode (:func:`call_overridable`): a forward hook
+    makes torch leave its fast call path for the slow one, which costs about as much again as
+    the capture itself (benchmarks/README.md, issue 16); this keeps the fast path. Torch's
+    ``Module.__call__`` finds it as ``self._call_impl``; a direct ``module.forward(...)`` call
+    does not, so it is not captured, as with a hook. The output captured is the one
+    ``module(...)`` returns, after every forward hook of the module.
+    """
+
+    __slots__ = ("__weakref__", "key", "layer", "module_ref", "target")
+
+    def __init__(self, target: CaptureTarget, layer: int, module: nn.Module) -> None:
+        self.target = target
+        self.key = target.trace_key
+        self.layer = layer
+        self.module_ref = weakref.ref(module)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (PassthroughCall, (self.module_ref(),))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        if module is None:  # pragma: no cover - the module owns this object through its __dict__
+            raise ReferenceError("module of this call override is gone")
+        output = _call_impl(module, *args, **kwargs)
+        if is_compiling():  # traced by Dynamo when an eager sample left it installed
+            traced.call(self.key, self.layer, module, output)
+        else:
+            self.target.capture(self.layer, module, output)
+        return output
+
+
+class PassthroughCall:
+    """What a copied :class:`CallOverride` becomes: torch's ``_call_impl`` of its module, which
+    removes itself from the module at its first call."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (PassthroughCall, (self.module,))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        scrub_copied_hooks(self.module)
+        return _call_impl(self.module, *args, **kwargs)
+
+
+def call_overridable(module: nn.Module) -> bool:
+    """Whether a :class:`CallOverride` can capture ``module``'s calls: torch's own
+    ``__call__``/``_call_impl`` (not overridden by its class or instance, not scripted) and no
+    ``module.compile()`` of its own."""
+    cls = type(module)
+    return (
+        cls.__call__ is nn.Module.__call__
+        and cls._wrapped_call_impl is nn.Module._wrapped_call_impl
+        and cls._call_impl is nn.Module._call_impl
+        and "_call_impl" not in module.__dict__
+        and not isinstance(module, torch.jit.ScriptModule)
+        and getattr(module, "_compiled_call_impl", None) is None
+    )
+
+
+def install_call_override(
+    target: CaptureTarget, layer: int, module: nn.Module
+) -> Callable[[], None]:
+    """Put a :class:`CallOverride` on ``module``; return the function that removes it."""
+    override = CallOverride(target, layer, module)
+    module.__dict__["_call_impl"] = override
+    module_ref = weakref.ref(module)
+
+    def remove() -> None:
+        owner = module_ref()
+        if owner is not None and owner.__dict__.get("_call_impl") is override:
+            del owner.__dict__["_call_impl"]
+
+    return remove
+
+
+def remove_call_overrides(root: nn.Module) -> None:
+    """Remove every :class:`CallOverride` from the ``__dict__`` of ``root``'s modules (a
+    ``DataParallel`` replica's copies, which would run the original modules)."""
+    for module in root.modules():
+        if isinstance(module.__dict__.get("_call_impl"), CallOverride):
+            del module.__dict__["_call_impl"]
+
+
 def install_forward_override(
     target: CaptureTarget, layer: int, module: nn.Module
 ) -> Callable[[], None]:
@@ -236,11 +340,16 @@ traced.run_hooks_eagerly_as_frames(RootPreHook.__call__, RootPostHook.__call__, 
 
 __all__ = [
     "CallHook",
+    "CallOverride",
     "CaptureTarget",
     "ForwardOverride",
     "HookObject",
+    "PassthroughCall",
     "RootPostHook",
     "RootPreHook",
+    "call_overridable",
+    "install_call_override",
     "install_forward_override",
+    "remove_call_overrides",
     "scrub_copied_hooks",
 ]

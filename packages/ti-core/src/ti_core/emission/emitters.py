@@ -7,8 +7,9 @@ One interface (:class:`Emitter`), two implementations, in the spirit of OpenTele
 - :class:`InlineEmitter` writes each signal on the thread whose forward or backward ended it.
 - :class:`BackgroundEmitter` queues signals of host tensors on one
   :class:`~ti_core.emission.worker.EmissionWorker`; a signal holding accelerator tensors, or one
-  that ends after :meth:`Emitter.close`, is written inline once the queue has caught up, so
-  sinks always receive signals in the order they ended. Failures on the worker are deferred to
+  that ends after :meth:`Emitter.close`, is written inline once the queue has caught up, and a
+  small one (:data:`INLINE_SIGNAL_BYTES`) inline when the queue is empty, so sinks always
+  receive signals in the order they ended. Failures on the worker are deferred to
   the training thread (``ErrorPolicy.deferred``).
 """
 
@@ -22,6 +23,13 @@ from typing import Protocol
 from ti_core.emission.worker import EmissionWorker
 from ti_core.emission.writer import EndedSignal, SignalWriter
 from ti_core.errors import ErrorPolicy
+
+INLINE_SIGNAL_BYTES: int = 64 * 2**10
+"""A signal holding at most this many bytes of snapshots to reduce is written on the thread
+that ended it when the worker is idle: what is left is mostly Python (record batches, a few
+small numpy calls), which holds the GIL on either thread, so handing it over only adds a second
+thread contending for the GIL (1,000 ``nn.Identity``, every forward with the directory sink:
+about 6.8 -> 5.2 ms per step; benchmarks/README.md). Tests of the worker's queue set it to -1."""
 
 
 class Emitter(Protocol):
@@ -88,6 +96,9 @@ class BackgroundEmitter:
 
     def emit(self, ended: EndedSignal) -> None:
         batch = ended.batch
+        if batch.pending_bytes <= INLINE_SIGNAL_BYTES and self._worker.idle:
+            self._writer.write(ended)  # nothing queued to overtake: the order holds
+            return
         if batch.host_only and self._worker.submit(
             lambda: self._write_deferring(ended), batch.pending_bytes
         ):
@@ -122,4 +133,4 @@ class BackgroundEmitter:
         self._worker.close()  # runs every queued signal first: nothing measured is lost
 
 
-__all__ = ["BackgroundEmitter", "Emitter", "InlineEmitter"]
+__all__ = ["INLINE_SIGNAL_BYTES", "BackgroundEmitter", "Emitter", "InlineEmitter"]

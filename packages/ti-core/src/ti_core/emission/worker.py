@@ -59,6 +59,11 @@ class EmissionWorker:
         """The worker's thread once started (jobs run there)."""
         return self._thread
 
+    @property
+    def idle(self) -> bool:
+        """No job queued or running (a job stays queued until it has run)."""
+        return not self._jobs
+
     def submit(self, job: Callable[[], None], nbytes: int) -> bool:
         """Queue ``job`` (holding ``nbytes`` of snapshots); False once closed (run it inline).
 
