@@ -90,7 +90,6 @@ _CAPTURING: Final = GateState.CAPTURING
 _COMPILED: Final = GateState.COMPILED
 _AHEAD: Final = GateState.COMPILED_AHEAD
 _CLOSED: Final = GateState.CLOSED
-_graph_task_id: Final = torch._C._current_graph_task_id
 
 
 class SampleOwner(Protocol):
@@ -411,7 +410,7 @@ class Gate:
     def capture(self, layer: int, module: nn.Module, output: Any) -> None:
         """One call of a selected module during a sampled forward of this thread."""
         sample = self._local.sample
-        if sample is None or _graph_task_id() != -1:  # in_backward(), inlined: every call
+        if sample is None or in_backward():
             return
         try:
             sample.record(layer, module, output)

@@ -254,10 +254,9 @@ class TensorBatch:
         timestamp_us: int,
     ) -> int:
         """Record one entry measuring ``tensor`` (it becomes ``rows[-1]``); returns its slot."""
-        # the unchanged-tensor test of _slot, inlined: it runs for every module call (a tensor
-        # found in _seen has a version counter: inference tensors are never entered there)
+        # the unchanged-tensor test of _slot, inlined: it runs for every module call
         seen = self._seen.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor_version(tensor):
             slot = seen[2]
             if layer in self._focus:
                 self._slot_focus[slot] = True
