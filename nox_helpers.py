@@ -8,6 +8,7 @@ can check it in any test environment; the functions that drive a session take th
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ import tomllib
 import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -56,12 +57,16 @@ tests compile the same tiny graphs in tests(ti-core), minimums and wheels; only 
 the cold C++ builds."""
 
 # Tests must not reach a model hub (no network in CI) nor open plot windows; compiled graphs
-# are cached across sessions (INDUCTOR_CACHE).
-TEST_ENV: Final[Mapping[str, str]] = {
+# are cached across sessions (INDUCTOR_CACHE). PYTHONDONTWRITEBYTECODE is removed (None: nox
+# drops it from the outer environment): machine images set it, and since installs run with
+# --no-compile, every interpreter a test starts would then compile torch's modules from source
+# again (`import torch, torch._dynamo, ti_io` measured 19 s with it, 4 s once bytecode is cached).
+TEST_ENV: Final[Mapping[str, str | None]] = {
     "MPLBACKEND": "Agg",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE),
+    "PYTHONDONTWRITEBYTECODE": None,
 }
 
 
@@ -159,7 +164,7 @@ def install(session: nox.Session, *args: str) -> None:
     """The one way sessions call pip: always under the torch pin.
 
     --no-compile: byte-compiling torch's ~10k modules at install costs more than compiling the
-    few that tests import.
+    few that tests import, once, at their first import (TEST_ENV lets that bytecode be written).
     """
     session.install("--no-compile", "-c", str(TORCH_PIN), *args)
 
@@ -168,11 +173,127 @@ def find_test_files(path: Path) -> list[Path]:
     return sorted({*path.rglob("test_*.py"), *path.rglob("*_test.py")})
 
 
-def run_pytest(session: nox.Session, label: str, path: Path, *args: str) -> None:
-    """Run one test directory. A folder without test files is reported and skipped; a folder
-    with test files that collects nothing fails (pytest's exit 5 is not success here)."""
-    if not find_test_files(path):
-        session.warn(f"NO TESTS: {path.relative_to(ROOT)} holds no test files; nothing run")
+def repository_test_files(root: Path = ROOT) -> list[Path]:
+    """Every test file under ``root`` (relative to it), wherever it lies, outside hidden folders
+    (``.nox`` holds venvs full of other projects' tests) and what git ignores."""
+    ignored = {"mutants", "build", "dist", "runs", "stats", "__pycache__"}
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith(".") and d not in ignored)
+        found += [
+            Path(folder, name).relative_to(root)
+            for name in files
+            if re.fullmatch(r"test_.*\.py|.*_test\.py", name)
+        ]
+    return sorted(found)
+
+
+# --- what each session tests -------------------------------------------------------------------
+
+
+class Suite(NamedTuple):
+    """One pytest run of a session: ``label`` names its JUnit report, ``paths`` (relative to
+    the repository root) are the test folders or files it collects."""
+
+    label: str
+    paths: tuple[str, ...]
+
+
+DEFAULT_SESSIONS: Final[tuple[str, ...]] = ("lint", "tests", "e2e", "minimums", "wheels", "legacy")
+"""What plain ``nox`` (and so CI) runs, in this order."""
+
+FLOOR_CROSS_PACKAGE_TESTS: Final[tuple[str, ...]] = (
+    "tests/test_schema_roundtrip.py",
+    "tests/test_io_core_written_data.py",
+    "tests/test_io_tensorboard_writers.py",
+)
+"""The cross-package tests whose subject is a third-party API a floor can break: the
+contract's types written and read back by pyarrow and Polars, and TensorBoard's own reader on
+the event files. ``minimums`` runs them beside the package suites; the rest of ``tests/``
+(the fault matrix, kills, ranks, soaks) exercises ti's own code and runs once, in ``e2e``."""
+
+WHEEL_TESTS: Final[Mapping[str, tuple[str, ...]]] = {
+    "ti-schema": ("test_sink_contract.py", "test_validate_history.py"),
+    "ti-core": ("test_api.py",),
+    "ti-io": ("test_recovery_and_cli.py",),
+    "ti-dist": ("test_policies.py",),
+    "ti-trainers": ("test_attachment.py",),
+    "ti-examples": ("test_find_problems.py",),
+}
+"""The representative tests ``wheels`` runs of each package, from the installed wheel: the
+public API and what the layout of a wheel carries (entry points: ti-core's sink and rank-policy
+lookups, ti-dist's policies; the ``ti`` command: ti-io's recovery and CLI tests; ti-examples'
+main job end to end)."""
+
+
+def package_tests(package: str) -> str:
+    return f"packages/{package}/tests"
+
+
+def suites(session: str, package: str | None = None) -> tuple[Suite, ...]:
+    """The pytest runs of a default session (of ``tests``: the one of ``package``)."""
+    if session == "tests":
+        if package is None:
+            raise ValueError("suites('tests') needs the package")
+        return (Suite(package, (package_tests(package),)),)
+    if session == "e2e":
+        return (Suite("e2e", ("tests",)),)
+    if session == "minimums":
+        packages = [Suite(p, (package_tests(p),)) for p in PACKAGES]
+        return (*packages, Suite("e2e-floors", FLOOR_CROSS_PACKAGE_TESTS))
+    if session == "wheels":
+        return tuple(
+            Suite(p, tuple(f"{package_tests(p)}/{name}" for name in WHEEL_TESTS[p]))
+            for p in PACKAGES
+        )
+    if session == "legacy":
+        return (Suite("legacy", ("tests/migration",)),)
+    if session == "lint":
+        return ()
+    raise ValueError(f"{session!r} is not a default session: {', '.join(DEFAULT_SESSIONS)}")
+
+
+def default_suites() -> dict[str, tuple[Suite, ...]]:
+    """Every pytest run of the default sessions, by session (``tests``: all its packages)."""
+    return {
+        session: (
+            tuple(s for p in PACKAGES for s in suites(session, p))
+            if session == "tests"
+            else suites(session)
+        )
+        for session in DEFAULT_SESSIONS
+    }
+
+
+def uncovered_test_files(files: Iterable[Path]) -> list[Path]:
+    """The test files (relative to ROOT) that no default session collects."""
+    selected = [Path(p) for runs in default_suites().values() for s in runs for p in s.paths]
+    return [f for f in files if not any(f == p or p in f.parents for p in selected)]
+
+
+def quick_suites() -> tuple[Suite, ...]:
+    """What ``nox -s quick`` runs (without the tests marked slow): every package's tests, then
+    tests/."""
+    return (*(Suite(p, (package_tests(p),)) for p in PACKAGES), Suite("e2e", ("tests",)))
+
+
+def install_inputs_digest() -> str:
+    """A digest of every file that decides what the sessions install (the pyprojects and the
+    torch pin): ``quick`` reinstalls when it changes."""
+    inputs = [ROOT / "pyproject.toml", TORCH_PIN]
+    inputs += [PACKAGES_DIR / p / "pyproject.toml" for p in PACKAGES]
+    digest = hashlib.sha256()
+    for path in inputs:
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def run_pytest(session: nox.Session, label: str, paths: Iterable[Path], *args: str) -> None:
+    """One pytest run over ``paths``. Paths without test files are reported and skipped; paths
+    with test files that collect nothing fail (pytest's exit 5 is not success here)."""
+    paths = [path for path in paths if path.is_file() or find_test_files(path)]
+    if not paths:
+        session.warn(f"NO TESTS: {label} holds no test files; nothing run")
         return
     REPORTS.mkdir(parents=True, exist_ok=True)
     report = REPORTS / re.sub(r"[^\w.-]+", "_", f"{session.name}--{label}.xml")
@@ -181,7 +302,7 @@ def run_pytest(session: nox.Session, label: str, path: Path, *args: str) -> None
     seed = ("--hypothesis-seed=0",) if os.environ.get("CI") else ()
     session.run(
         "pytest",
-        str(path),
+        *map(str, paths),
         f"--junitxml={report}",
         *seed,
         *args,
@@ -190,17 +311,17 @@ def run_pytest(session: nox.Session, label: str, path: Path, *args: str) -> None
     )
 
 
-def run_every_test(session: nox.Session, *args: str) -> None:
-    """Every package's tests, then tests/; all run even when one fails, so one log shows all."""
+def run_suites(session: nox.Session, runs: Iterable[Suite], *args: str) -> None:
+    """Each suite in its own pytest (each tests folder has its own conftest); all run even when
+    one fails, so one log shows every failure."""
     import nox.command
 
     failed = []
-    runs = [(p, PACKAGES_DIR / p / "tests") for p in PACKAGES] + [("e2e", ROOT / "tests")]
-    for label, path in runs:
+    for suite in runs:
         try:
-            run_pytest(session, label, path, *args)
+            run_pytest(session, suite.label, [ROOT / p for p in suite.paths], *args)
         except nox.command.CommandFailed:
-            failed.append(label)
+            failed.append(suite.label)
     if failed:
         session.error("tests failed: " + ", ".join(failed))
 

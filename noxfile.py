@@ -61,7 +61,7 @@ LINT_PATHS = ("noxfile.py", "nox_helpers.py", "packages", "tests", "examples", "
 
 nox.options.default_venv_backend = "virtualenv"  # pip sees the local torch wheel; uv does not
 nox.options.error_on_missing_interpreters = False  # ti-schema on 3.12/3.13 only where present
-nox.options.sessions = ["lint", "tests", "e2e", "minimums", "wheels", "legacy"]
+nox.options.sessions = list(helpers.DEFAULT_SESSIONS)
 
 
 def _absent(package: str) -> tuple[str, ...]:
@@ -71,10 +71,7 @@ def _absent(package: str) -> tuple[str, ...]:
 # --- sessions ----------------------------------------------------------------------------------
 
 
-@nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
-def lint(session: nox.Session) -> None:
-    """ruff (check + format) over the tree; mypy (strict) over every package's src."""
-    helpers.install(session, *LINT_TOOLS, *TEST_TOOLS, *helpers.source_args(PACKAGES))
+def _lint(session: nox.Session) -> None:
     paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
     checks = {
         "ruff check": ("ruff", "check", "--output-format=concise", *paths),
@@ -89,6 +86,33 @@ def lint(session: nox.Session) -> None:
             failed.append(name)
     if failed:
         session.error("failed: " + ", ".join(failed))
+
+
+@nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
+def lint(session: nox.Session) -> None:
+    """ruff (check + format) over the tree; mypy (strict) over every package's src."""
+    helpers.install(session, *LINT_TOOLS, *TEST_TOOLS, *helpers.source_args(PACKAGES))
+    _lint(session)
+
+
+@nox.session(
+    python=helpers.interpreter(MAIN_PYTHON),
+    download_python="never",
+    default=False,
+    reuse_venv=True,
+)
+def quick(session: nox.Session) -> None:
+    """The edit-test loop: lint, then every test not marked ``slow`` of each package and of
+    tests/, in one environment holding every package (editable, so edits need no reinstall).
+    The environment is kept between runs and pip runs only when what it installs changed (a
+    pyproject, the torch pin). Not the isolation proofs nor the floors: `nox` runs those."""
+    stamp = Path(session.virtualenv.location) / "ti-quick-installed.txt"
+    wanted = helpers.install_inputs_digest()
+    if not stamp.exists() or stamp.read_text(encoding="utf-8") != wanted:
+        helpers.install(session, *LINT_TOOLS, *TEST_TOOLS, *helpers.source_args(PACKAGES))
+        stamp.write_text(wanted, encoding="utf-8")
+    _lint(session)
+    helpers.run_suites(session, helpers.quick_suites(), "-m", "not slow", "-q")
 
 
 # The id keeps the session names short (`tests(package='ti-io', python='3.11')`) when the
@@ -115,34 +139,59 @@ def tests(session: nox.Session, package: str) -> None:
     closure = helpers.closure(package, helpers.TEST_EXTRAS.get(package, ()))
     helpers.install(session, *TEST_TOOLS, *helpers.source_args(closure))
     helpers.assert_absent(session, package, _absent(package))
-    helpers.run_pytest(session, package, tests_dir)
+    helpers.run_suites(session, helpers.suites("tests", package))
 
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
 def e2e(session: nox.Session) -> None:
-    """Cross-package tests in tests/, with every package and extra installed."""
+    """Cross-package tests in tests/, with every package and extra installed: the only session
+    that runs the fault matrix, the kills, the multi-rank jobs and the soaks."""
     if not helpers.find_test_files(ROOT / "tests"):
         session.skip("NO TESTS: tests/ holds no test files yet")
     helpers.install(session, *TEST_TOOLS, *helpers.source_args(PACKAGES))
-    helpers.run_pytest(session, "e2e", ROOT / "tests")
+    helpers.run_suites(session, helpers.suites("e2e"))
 
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
 def minimums(session: nox.Session) -> None:
-    """Every package's tests and e2e at the lowest versions the pyprojects allow."""
+    """What a floor can break: every package's test suite, and the cross-package tests of
+    third-party APIs (``helpers.FLOOR_CROSS_PACKAGE_TESTS``), with numpy, pyarrow, Polars,
+    TensorBoard and the rest at the lowest versions the pyprojects allow (torch: the pin)."""
     floors_file = Path(session.create_tmp()).resolve() / "floors.txt"
     floors = helpers.write_floor_constraints(floors_file)
     session.log("floors: " + ", ".join(f"{n}=={v}" for n, v in floors.items()))
     helpers.install(session, "-c", str(floors_file), *TEST_TOOLS, *helpers.source_args(PACKAGES))
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "-m", "pip", "check", silent=False)
-    helpers.run_every_test(session)
+    helpers.run_suites(session, helpers.suites("minimums"))
+
+
+WHEEL_CHECK = """
+import sys
+from importlib import import_module, metadata
+
+site, *packages = sys.argv[1:]
+for package in packages:
+    module = package.replace("-", "_")
+    path = import_module(module).__file__
+    assert path.startswith(site), f"{module} imported from {path}, not the wheel"
+    dist = metadata.distribution(package)
+    files = {str(f) for f in dist.files or ()}
+    assert f"{module}/py.typed" in files, f"{package}'s wheel has no {module}/py.typed"
+    for ep in dist.entry_points:
+        assert ep.load() is not None, ep
+        print(f"{package}: entry point {ep.group} {ep.name} = {ep.value} loads")
+print("every package imports from its installed wheel, with py.typed and its entry points")
+"""
+"""Run in the wheels venv (site-packages and the package names as arguments)."""
 
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
 def wheels(session: nox.Session) -> None:
-    """Build every package's wheel, check their metadata, install them (not the sources), test
-    them."""
+    """What the wheels carry: each package's wheel built, its ``Requires-Dist`` equal to its
+    pyproject's, installed (not the sources) and imported from site-packages with its
+    ``py.typed``, every entry point loaded and the ``ti`` command run; then the representative
+    tests of each package (``helpers.WHEEL_TESTS``) from an empty folder."""
     tmp = Path(session.create_tmp()).resolve()
     wheelhouse = tmp / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
@@ -174,18 +223,8 @@ def wheels(session: nox.Session) -> None:
         "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
     )
     assert isinstance(site, str)
-    modules = [helpers.module_name(p) for p in PACKAGES]
-    session.run(
-        "python",
-        "-c",
-        "import sys, importlib\n"
-        f"site = {site.strip()!r}\n"
-        f"for name in {modules!r}:\n"
-        "    path = importlib.import_module(name).__file__\n"
-        "    assert path.startswith(site), f'{name} imported from {path}, not the wheel'\n"
-        "print('every package imports from the installed wheel')\n",
-        silent=False,
-    )
+    session.run("python", "-c", WHEEL_CHECK, site.strip(), *PACKAGES, silent=False)
+    session.run("ti", "--help", silent=True)  # the console script the ti-io wheel installs
 
     # Run from an empty folder so nothing from the checkout is importable; importlib mode
     # keeps pytest from putting test or source folders on sys.path.
@@ -193,7 +232,7 @@ def wheels(session: nox.Session) -> None:
     run_dir.mkdir(exist_ok=True)
     session.chdir(run_dir)
     config = ("-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider")
-    helpers.run_every_test(session, *config)
+    helpers.run_suites(session, helpers.suites("wheels"), *config)
 
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
@@ -203,7 +242,7 @@ def legacy(session: nox.Session) -> None:
     run. Elsewhere those tests skip."""
     packages = helpers.source_args(("ti-schema", "ti-core", "ti-io"))
     helpers.install(session, *TEST_TOOLS, *LEGACY_TOOLS, *packages)
-    helpers.run_pytest(session, "legacy", ROOT / "tests" / "migration")
+    helpers.run_suites(session, helpers.suites("legacy"))
 
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never", default=False)

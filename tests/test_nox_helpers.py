@@ -1,7 +1,9 @@
-"""nox_helpers.py: the dependency closures and the isolation rows derived from the pyprojects."""
+"""nox_helpers.py: the dependency closures and the isolation rows derived from the pyprojects,
+and the test selections of the sessions (every test file runs in one of CI's sessions)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import tomllib
@@ -100,3 +102,79 @@ def test_mutation_targets_are_declared_in_the_package_pyprojects(helpers: Module
             assert list((pyproject.parent).glob(pattern)), (package, pattern)
         for tests in config["pytest_add_cli_args_test_selection"]:
             assert (pyproject.parent / tests).exists(), (package, tests)
+
+
+def test_every_test_file_of_the_repository_runs_in_a_default_session(helpers: ModuleType) -> None:
+    files = helpers.repository_test_files()
+    assert Path("tests/test_nox_helpers.py") in files
+    assert Path("packages/ti-core/tests/test_api.py") in files
+    assert helpers.uncovered_test_files(files) == []
+    for session, runs in helpers.default_suites().items():
+        for suite in runs:
+            for path in suite.paths:
+                assert (ROOT / path).exists(), (session, suite.label, path)
+
+
+def test_a_test_file_outside_every_selection_is_reported(
+    helpers: ModuleType, tmp_path: Path
+) -> None:
+    for name in (
+        "examples/test_new.py",  # a new folder of tests no session knows
+        "packages/ti-core/tests/test_kept.py",
+        "tests/sub/checks_test.py",
+        ".nox/e2e/lib/site-packages/x/test_vendored.py",  # venvs are not the repository's
+        "packages/ti-io/build/lib/test_built.py",
+        "packages/ti-core/tests/helpers.py",  # not a test file
+    ):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    files = helpers.repository_test_files(tmp_path)
+    assert files == [
+        Path("examples/test_new.py"),
+        Path("packages/ti-core/tests/test_kept.py"),
+        Path("tests/sub/checks_test.py"),
+    ]
+    assert helpers.uncovered_test_files(files) == [Path("examples/test_new.py")]
+
+
+def test_the_sessions_run_the_declared_selections(helpers: ModuleType) -> None:
+    """The noxfile's default list is DEFAULT_SESSIONS, and each test session runs its own
+    ``helpers.suites(...)``: the selections the coverage test reads are what nox runs."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
+    sessions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert set(helpers.DEFAULT_SESSIONS) <= set(sessions)
+    (default,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "nox.options.sessions"
+    ]
+    assert ast.unparse(default.value) == "list(helpers.DEFAULT_SESSIONS)"
+    for name in helpers.DEFAULT_SESSIONS:
+        if name == "lint":
+            continue
+        calls = {
+            ast.unparse(call)
+            for call in ast.walk(sessions[name])
+            if isinstance(call, ast.Call) and ast.unparse(call.func) == "helpers.run_suites"
+        }
+        assert any(f"helpers.suites({name!r}" in call for call in calls), (name, calls)
+
+
+def test_wheels_and_minimums_select_what_they_exist_for(helpers: ModuleType) -> None:
+    suites = helpers.default_suites()
+    # minimums: every package's whole suite at the floors, plus the third-party API round trips
+    minimums = {s.label: s.paths for s in suites["minimums"]}
+    for package in helpers.PACKAGES:
+        assert minimums[package] == (f"packages/{package}/tests",)
+    assert minimums["e2e-floors"] == helpers.FLOOR_CROSS_PACKAGE_TESTS
+    # the fault matrix and the other slow end-to-end tests run once, in e2e
+    once = Path("tests/test_reliability_finalization.py")
+    runs = [s for runs in suites.values() for s in runs]
+    assert [s.label for s in runs if any(Path(p) in (once, *once.parents) for p in s.paths)] == [
+        "e2e"
+    ]
+    # wheels: a representative test of every package, none of tests/
+    wheels = {s.label: s.paths for s in suites["wheels"]}
+    assert set(wheels) == set(helpers.PACKAGES)
+    assert all(paths for paths in wheels.values())
+    assert not any(p.startswith("tests/") for paths in wheels.values() for p in paths)
