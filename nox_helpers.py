@@ -160,13 +160,32 @@ def interpreter(version: str) -> str:
 # --- what sessions run -------------------------------------------------------------------------
 
 
+EDITABLE_BUILD_REQUIRES: Final[tuple[str, ...]] = ("editables",)
+"""What hatchling's ``get_requires_for_build_editable`` adds for a package that lists its
+``packages`` (ti-io does): without build isolation pip does not install it by itself."""
+
+
+def build_requirements() -> list[str]:
+    """The ``[build-system] requires`` of every package (hatchling), each once, and what an
+    editable build of them needs besides."""
+    found: dict[str, None] = {}
+    for package in PACKAGES:
+        text = (PACKAGES_DIR / package / "pyproject.toml").read_text(encoding="utf-8")
+        found.update(dict.fromkeys(tomllib.loads(text)["build-system"]["requires"]))
+    return [*found, *EDITABLE_BUILD_REQUIRES]
+
+
 def install(session: nox.Session, *args: str) -> None:
     """The one way sessions call pip: always under the torch pin.
 
     --no-compile: byte-compiling torch's ~10k modules at install costs more than compiling the
     few that tests import, once, at their first import (TEST_ENV lets that bytecode be written).
+    --no-build-isolation: the packages' build backend is installed into the session first, so
+    pip does not make a fresh build environment for each local package (about 3 s each, some
+    45 of them per CI run); ``wheels`` still builds each wheel in isolation.
     """
-    session.install("--no-compile", "-c", str(TORCH_PIN), *args)
+    session.install("--no-compile", "-c", str(TORCH_PIN), *build_requirements())
+    session.install("--no-compile", "--no-build-isolation", "-c", str(TORCH_PIN), *args)
 
 
 def find_test_files(path: Path) -> list[Path]:
@@ -193,11 +212,27 @@ def repository_test_files(root: Path = ROOT) -> list[Path]:
 
 class Suite(NamedTuple):
     """One pytest run of a session: ``label`` names its JUnit report, ``paths`` (relative to
-    the repository root) are the test folders or files it collects."""
+    the repository root) are the test folders or files it collects, less ``ignore``;
+    ``parallel``: spread over the machine's cores (pytest-xdist, a test file per worker)."""
 
     label: str
     paths: tuple[str, ...]
+    ignore: tuple[str, ...] = ()
+    parallel: bool = False
 
+
+PARALLEL_SUITES: Final[frozenset[str]] = frozenset({"ti-core", "e2e"})
+"""The suites long enough that two workers pay for their start (ti-core: 124 s on 2 cores in
+one process, 62 s in two; tests/: 185 s, 112 s). Each worker takes whole test files
+(``--dist loadfile``), so a module's fixtures run once."""
+
+MINIMUMS_IGNORE: Final[tuple[str, ...]] = (
+    "packages/ti-core/tests/test_compiled.py",
+    "packages/ti-core/tests/test_compiled_torch_apis.py",
+)
+"""ti-core's torch.compile tests, left out of ``minimums``: their subject is Dynamo tracing our
+capture, and torch is at the same pin there as in ``tests(ti-core)``, which runs them; no floor
+of numpy, pyarrow, Polars or TensorBoard reaches a compiled graph (75 s of ti-core's 153 s)."""
 
 DEFAULT_SESSIONS: Final[tuple[str, ...]] = ("lint", "tests", "e2e", "minimums", "wheels", "legacy")
 """What plain ``nox`` (and so CI) runs, in this order."""
@@ -230,16 +265,22 @@ def package_tests(package: str) -> str:
     return f"packages/{package}/tests"
 
 
+def _package_suite(package: str, ignore: tuple[str, ...] = ()) -> Suite:
+    tests = package_tests(package)
+    mine = tuple(p for p in ignore if p.startswith(tests + "/"))
+    return Suite(package, (tests,), ignore=mine, parallel=package in PARALLEL_SUITES)
+
+
 def suites(session: str, package: str | None = None) -> tuple[Suite, ...]:
     """The pytest runs of a default session (of ``tests``: the one of ``package``)."""
     if session == "tests":
         if package is None:
             raise ValueError("suites('tests') needs the package")
-        return (Suite(package, (package_tests(package),)),)
+        return (_package_suite(package),)
     if session == "e2e":
-        return (Suite("e2e", ("tests",)),)
+        return (Suite("e2e", ("tests",), parallel="e2e" in PARALLEL_SUITES),)
     if session == "minimums":
-        packages = [Suite(p, (package_tests(p),)) for p in PACKAGES]
+        packages = [_package_suite(p, ignore=MINIMUMS_IGNORE) for p in PACKAGES]
         return (*packages, Suite("e2e-floors", FLOOR_CROSS_PACKAGE_TESTS))
     if session == "wheels":
         return tuple(
@@ -267,14 +308,20 @@ def default_suites() -> dict[str, tuple[Suite, ...]]:
 
 def uncovered_test_files(files: Iterable[Path]) -> list[Path]:
     """The test files (relative to ROOT) that no default session collects."""
-    selected = [Path(p) for runs in default_suites().values() for s in runs for p in s.paths]
-    return [f for f in files if not any(f == p or p in f.parents for p in selected)]
+
+    def within(file: Path, paths: Iterable[str]) -> bool:
+        return any(file == Path(p) or Path(p) in file.parents for p in paths)
+
+    runs = [s for session in default_suites().values() for s in session]
+    return [
+        f for f in files if not any(within(f, s.paths) and not within(f, s.ignore) for s in runs)
+    ]
 
 
 def quick_suites() -> tuple[Suite, ...]:
     """What ``nox -s quick`` runs (without the tests marked slow): every package's tests, then
     tests/."""
-    return (*(Suite(p, (package_tests(p),)) for p in PACKAGES), Suite("e2e", ("tests",)))
+    return (*(_package_suite(p) for p in PACKAGES), *suites("e2e"))
 
 
 def install_inputs_digest() -> str:
@@ -311,6 +358,10 @@ def run_pytest(session: nox.Session, label: str, paths: Iterable[Path], *args: s
     )
 
 
+PYTEST_WORKERS: Final[int] = max(1, min(4, os.cpu_count() or 1))
+"""pytest-xdist workers of a parallel suite: one per core, at most four (CI has two)."""
+
+
 def run_suites(session: nox.Session, runs: Iterable[Suite], *args: str) -> None:
     """Each suite in its own pytest (each tests folder has its own conftest); all run even when
     one fails, so one log shows every failure."""
@@ -318,8 +369,11 @@ def run_suites(session: nox.Session, runs: Iterable[Suite], *args: str) -> None:
 
     failed = []
     for suite in runs:
+        options = [f"--ignore={ROOT / p}" for p in suite.ignore]
+        if suite.parallel:
+            options += ["--numprocesses", str(PYTEST_WORKERS), "--dist", "loadfile"]
         try:
-            run_pytest(session, suite.label, [ROOT / p for p in suite.paths], *args)
+            run_pytest(session, suite.label, [ROOT / p for p in suite.paths], *options, *args)
         except nox.command.CommandFailed:
             failed.append(suite.label)
     if failed:

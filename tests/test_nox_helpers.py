@@ -111,7 +111,7 @@ def test_every_test_file_of_the_repository_runs_in_a_default_session(helpers: Mo
     assert helpers.uncovered_test_files(files) == []
     for session, runs in helpers.default_suites().items():
         for suite in runs:
-            for path in suite.paths:
+            for path in (*suite.paths, *suite.ignore):
                 assert (ROOT / path).exists(), (session, suite.label, path)
 
 
@@ -135,6 +135,20 @@ def test_a_test_file_outside_every_selection_is_reported(
         Path("tests/sub/checks_test.py"),
     ]
     assert helpers.uncovered_test_files(files) == [Path("examples/test_new.py")]
+
+
+def test_a_file_every_session_ignores_is_reported(
+    helpers: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiled = Path("packages/ti-core/tests/test_compiled.py")
+    assert helpers.uncovered_test_files([compiled]) == []
+    package_suite = helpers._package_suite
+
+    def ignoring(package: str, ignore: tuple[str, ...] = ()) -> object:
+        return package_suite(package, ignore=(*ignore, str(compiled)))
+
+    monkeypatch.setattr(helpers, "_package_suite", ignoring)  # tests(ti-core) drops it too
+    assert helpers.uncovered_test_files([compiled]) == [compiled]
 
 
 def test_the_sessions_run_the_declared_selections(helpers: ModuleType) -> None:
@@ -167,6 +181,10 @@ def test_wheels_and_minimums_select_what_they_exist_for(helpers: ModuleType) -> 
     for package in helpers.PACKAGES:
         assert minimums[package] == (f"packages/{package}/tests",)
     assert minimums["e2e-floors"] == helpers.FLOOR_CROSS_PACKAGE_TESTS
+    # what minimums leaves out of a suite still runs in that package's own session
+    (core,) = [s for s in suites["minimums"] if s.label == "ti-core"]
+    assert core.ignore == helpers.MINIMUMS_IGNORE
+    assert helpers.uncovered_test_files([Path(p) for p in core.ignore]) == []
     # the fault matrix and the other slow end-to-end tests run once, in e2e
     once = Path("tests/test_reliability_finalization.py")
     runs = [s for runs in suites.values() for s in runs]
