@@ -437,6 +437,19 @@ def wheel_requires(wheel: Path) -> set[str]:
     }
 
 
+def missing_from_wheel(wheel: Path, package: str, packages_dir: Path = PACKAGES_DIR) -> list[str]:
+    """The files of ``package``'s source tree (``src/<module>/``: modules, ``py.typed``, data)
+    that its built wheel does not hold."""
+    src = packages_dir / package / "src"
+    tree = {
+        f.relative_to(src).as_posix()
+        for f in (src / module_name(package)).rglob("*")
+        if f.is_file() and "__pycache__" not in f.parts
+    }
+    with zipfile.ZipFile(wheel) as zf:
+        return sorted(tree - set(zf.namelist()))
+
+
 def declared_requires(package: str) -> set[str]:
     """What ``package``'s wheel must list as ``Requires-Dist`` (extras as markers)."""
     declared = {str(r) for r in requirements(package)}

@@ -1,10 +1,12 @@
 """Development sessions of the TorchInstruments monorepo (see docs/development.md).
 
 Plain `nox` runs the default matrix: lint, tests (one environment per package holding only that
-package and its declared dependencies), e2e, minimums, wheels and legacy. `demo`, `bench` and
-`properties` run on request. The helpers live in nox_helpers.py; every pip call goes through
-`helpers.install`, which applies the one torch pin in constraints/torch.txt. Loading this file
-changes nothing on the machine: interpreters are looked up, not linked, and PATH is left alone.
+package and its declared dependencies), e2e, minimums, wheels and legacy, each running the test
+selection `helpers.suites` declares for it. `quick` (the edit-test loop), `demo`, `bench`,
+`properties` and `mutation` run on request. The helpers live in nox_helpers.py; every pip call
+goes through `helpers.install`, which applies the one torch pin in constraints/torch.txt. Loading
+this file changes nothing on the machine: interpreters are looked up, not linked, and PATH is
+left alone.
 """
 
 from __future__ import annotations
@@ -175,23 +177,21 @@ for package in packages:
     module = package.replace("-", "_")
     path = import_module(module).__file__
     assert path.startswith(site), f"{module} imported from {path}, not the wheel"
-    dist = metadata.distribution(package)
-    files = {str(f) for f in dist.files or ()}
-    assert f"{module}/py.typed" in files, f"{package}'s wheel has no {module}/py.typed"
-    for ep in dist.entry_points:
+    for ep in metadata.distribution(package).entry_points:
         assert ep.load() is not None, ep
         print(f"{package}: entry point {ep.group} {ep.name} = {ep.value} loads")
-print("every package imports from its installed wheel, with py.typed and its entry points")
+print("every package imports from its installed wheel; every entry point loads")
 """
-"""Run in the wheels venv (site-packages and the package names as arguments)."""
+"""Run in the wheels venv, with site-packages and the package names as arguments."""
 
 
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
 def wheels(session: nox.Session) -> None:
     """What the wheels carry: each package's wheel built, its ``Requires-Dist`` equal to its
-    pyproject's, installed (not the sources) and imported from site-packages with its
-    ``py.typed``, every entry point loaded and the ``ti`` command run; then the representative
-    tests of each package (``helpers.WHEEL_TESTS``) from an empty folder."""
+    pyproject's and holding every file of the package's source tree; installed (not the
+    sources) and imported from site-packages, every entry point loaded and the ``ti`` command
+    run; then the representative tests of each package (``helpers.WHEEL_TESTS``) from an empty
+    folder."""
     tmp = Path(session.create_tmp()).resolve()
     wheelhouse = tmp / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
@@ -213,6 +213,9 @@ def wheels(session: nox.Session) -> None:
                 f"extra {sorted(listed - declared)}, missing {sorted(declared - listed)}"
             )
         session.log(f"{wheel.name}: Requires-Dist = {sorted(listed)}")
+        missing = helpers.missing_from_wheel(wheel, package)
+        if missing:
+            session.error(f"{wheel.name} lacks files of {package}'s source tree: {missing}")
 
     targets = []
     for package, wheel in built.items():

@@ -7,6 +7,7 @@ import ast
 import importlib.util
 import os
 import tomllib
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
@@ -196,3 +197,24 @@ def test_wheels_and_minimums_select_what_they_exist_for(helpers: ModuleType) -> 
     assert set(wheels) == set(helpers.PACKAGES)
     assert all(paths for paths in wheels.values())
     assert not any(p.startswith("tests/") for paths in wheels.values() for p in paths)
+
+
+def test_a_wheel_missing_a_file_of_its_source_tree_is_reported(
+    helpers: ModuleType, tmp_path: Path
+) -> None:
+    src = tmp_path / "ti-x" / "src" / "ti_x"
+    for name in ("__init__.py", "py.typed", "reduction/__init__.py", "reduction/rows.py"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text("")
+    (src / "__pycache__").mkdir()
+    (src / "__pycache__" / "rows.cpython-311.pyc").write_text("")  # not shipped, not needed
+    wheel = tmp_path / "ti_x-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name in ("ti_x/__init__.py", "ti_x/reduction/__init__.py", "ti_x-0.1.dist-info/RECORD"):
+            zf.writestr(name, "")
+    missing = helpers.missing_from_wheel(wheel, "ti-x", packages_dir=tmp_path)
+    assert missing == ["ti_x/py.typed", "ti_x/reduction/rows.py"]
+    with zipfile.ZipFile(wheel, "a") as zf:
+        zf.writestr("ti_x/py.typed", "")
+        zf.writestr("ti_x/reduction/rows.py", "")
+    assert helpers.missing_from_wheel(wheel, "ti-x", packages_dir=tmp_path) == []
