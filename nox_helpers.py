@@ -184,27 +184,34 @@ def install(session: nox.Session, *args: str) -> None:
     pip does not make a fresh build environment for each local package (about 3 s each, some
     45 of them per CI run); ``wheels`` still builds each wheel in isolation.
     """
-    session.install("--no-compile", "-c", str(TORCH_PIN), *build_requirements())
+    if "-e" in args:  # local packages to build (the wheels session installs built wheels)
+        session.install("--no-compile", "-c", str(TORCH_PIN), *build_requirements())
     session.install("--no-compile", "--no-build-isolation", "-c", str(TORCH_PIN), *args)
 
 
-def find_test_files(path: Path) -> list[Path]:
-    return sorted({*path.rglob("test_*.py"), *path.rglob("*_test.py")})
+TEST_FILE: Final[re.Pattern[str]] = re.compile(r"test_.*\.py|.*_test\.py")
+"""The names pytest collects as test files (its default ``python_files``)."""
+_NOT_SOURCE: Final[frozenset[str]] = frozenset(
+    {"mutants", "build", "dist", "runs", "stats", "__pycache__"}
+)
+"""Folders git ignores that may hold copies of test files."""
+
+
+def find_test_files(root: Path) -> list[Path]:
+    """Every test file under ``root``, wherever it lies, outside hidden folders (``.nox`` holds
+    venvs full of other projects' tests) and the ignored ones that hold copies."""
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(
+            d for d in subfolders if not d.startswith(".") and d not in _NOT_SOURCE
+        )
+        found += [Path(folder, name) for name in files if TEST_FILE.fullmatch(name)]
+    return sorted(found)
 
 
 def repository_test_files(root: Path = ROOT) -> list[Path]:
-    """Every test file under ``root`` (relative to it), wherever it lies, outside hidden folders
-    (``.nox`` holds venvs full of other projects' tests) and what git ignores."""
-    ignored = {"mutants", "build", "dist", "runs", "stats", "__pycache__"}
-    found = []
-    for folder, subfolders, files in os.walk(root):
-        subfolders[:] = sorted(d for d in subfolders if not d.startswith(".") and d not in ignored)
-        found += [
-            Path(folder, name).relative_to(root)
-            for name in files
-            if re.fullmatch(r"test_.*\.py|.*_test\.py", name)
-        ]
-    return sorted(found)
+    """Every test file of the repository, relative to its root."""
+    return [path.relative_to(root) for path in find_test_files(root)]
 
 
 # --- what each session tests -------------------------------------------------------------------
@@ -222,9 +229,10 @@ class Suite(NamedTuple):
 
 
 PARALLEL_SUITES: Final[frozenset[str]] = frozenset({"ti-core", "e2e"})
-"""The suites long enough that two workers pay for their start (ti-core: 124 s on 2 cores in
-one process, 62 s in two; tests/: 185 s, 112 s). Each worker takes whole test files
-(``--dist loadfile``), so a module's fixtures run once."""
+"""The suites long enough that two workers pay for their start (on 2 cores, inductor cache
+warm: ti-core 88 s in one process, 62 s in two; tests/ 173 s of tests in one, 112 s in all in
+two). Each worker takes whole test files (``--dist loadfile``), so a module's fixtures run
+once."""
 
 MINIMUMS_IGNORE: Final[tuple[str, ...]] = (
     "packages/ti-core/tests/test_compiled.py",

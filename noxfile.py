@@ -73,6 +73,12 @@ def _absent(package: str) -> tuple[str, ...]:
 # --- sessions ----------------------------------------------------------------------------------
 
 
+def _install_for_lint(session: nox.Session) -> None:
+    """Every package (editable, with extras: mypy reads their imports), ruff, mypy, the test
+    group."""
+    helpers.install(session, *LINT_TOOLS, *TEST_TOOLS, *helpers.source_args(PACKAGES))
+
+
 def _lint(session: nox.Session) -> None:
     paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
     checks = {
@@ -93,7 +99,7 @@ def _lint(session: nox.Session) -> None:
 @nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never")
 def lint(session: nox.Session) -> None:
     """ruff (check + format) over the tree; mypy (strict) over every package's src."""
-    helpers.install(session, *LINT_TOOLS, *TEST_TOOLS, *helpers.source_args(PACKAGES))
+    _install_for_lint(session)
     _lint(session)
 
 
@@ -111,7 +117,7 @@ def quick(session: nox.Session) -> None:
     stamp = Path(session.virtualenv.location) / "ti-quick-installed.txt"
     wanted = helpers.install_inputs_digest()
     if not stamp.exists() or stamp.read_text(encoding="utf-8") != wanted:
-        helpers.install(session, *LINT_TOOLS, *TEST_TOOLS, *helpers.source_args(PACKAGES))
+        _install_for_lint(session)
         stamp.write_text(wanted, encoding="utf-8")
     _lint(session)
     helpers.run_suites(session, helpers.quick_suites(), "-m", "not slow", "-q")
