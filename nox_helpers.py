@@ -53,8 +53,8 @@ reductions and histograms; ti-io's parts, consolidation, digest and result.json)
 
 INDUCTOR_CACHE: Final[Path] = ROOT / ".nox" / "inductor-cache"
 """One on-disk torch.compile (inductor) cache for every test session: ti-core's compiled-capture
-tests compile the same tiny graphs in tests(ti-core), minimums and wheels; only the first pays
-the cold C++ builds."""
+tests (tests(ti-core)) and tests/test_reliability_compile.py (e2e) compile tiny graphs, and
+only the first to build a kernel pays the cold C++ build."""
 
 # Tests must not reach a model hub (no network in CI) nor open plot windows; compiled graphs
 # are cached across sessions (INDUCTOR_CACHE). PYTHONDONTWRITEBYTECODE is removed (None: nox
