@@ -185,7 +185,7 @@ def live_run(run: Path) -> nn.Module:
     """Three steps published as parts, two more buffered in the sink (nothing in flight)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    sink = DirectorySink(run, history_config=HistoryConfig(buffer_rows=400))
+    sink = DirectorySink(run, history_config=HistoryConfig(buffer_rows=400, flush_seconds=None))
     inject_observer(
         model,
         sink=sink,

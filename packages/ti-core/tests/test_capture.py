@@ -314,6 +314,119 @@ def test_direct_forward_override_restores_a_user_instance_forward() -> None:
     )
 
 
+class TwoLeaves(nn.Module):
+    """Leaves called through ``__call__`` or, as code that bypasses hooks does, ``.forward``."""
+
+    def __init__(self, direct_leaves: bool) -> None:
+        super().__init__()
+        self.direct_leaves = direct_leaves
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.direct_leaves:
+            return self.b.forward(self.a.forward(x))
+        return self.b(self.a(x))
+
+
+def _measured(table: Any) -> list[tuple[int, str, str, int, str]]:
+    return sorted(
+        (r["forward_index"], r["layer"], r["signal"], r["call_index"], r["metric"])
+        for r in table.to_pylist()
+        if r["value"] is not None
+    )
+
+
+@pytest.mark.parametrize("direct_root", [False, True], ids=["model(x)", "model.forward(x)"])
+@pytest.mark.parametrize("direct_leaves", [False, True], ids=["leaf(x)", "leaf.forward(x)"])
+def test_capture_direct_forwards_records_every_call_combination(
+    direct_root: bool, direct_leaves: bool
+) -> None:
+    """The root called as ``model.forward(x)`` is a root forward too: sampled, counted once,
+    its own output and its leaves' recorded, with their gradients."""
+    torch.manual_seed(0)
+    model = TwoLeaves(direct_leaves)
+    before = hook_state(model)
+    sink = MemorySink()
+    xs = [torch.randn(2, 3) for _ in range(2)]
+    with observe(
+        model, output_dir=None, sink=sink, sampler=AlwaysSampler(), capture_direct_forwards=True
+    ):
+        assert "forward" in model.__dict__
+        for x in xs:
+            out = model.forward(x) if direct_root else model(x)
+            out.sum().backward()
+    assert "forward" not in model.__dict__  # removal restores the class forward
+    assert hook_state(model) == before
+    table = sink.table()
+    assert_history_conforms(table)
+    measured = _measured(table)
+    assert sorted({m[0] for m in measured}) == [0, 1]  # two root forwards, counted once each
+    for forward_index, x in enumerate(xs):
+        hidden = model.a(x)
+        for layer, tensor in (("a", hidden), ("b", torch.tanh(hidden))):
+            assert_matches(
+                stats(table, forward_index=forward_index, layer=layer, signal="output"),
+                reference(tensor.detach().numpy()),
+            )
+            assert stats(
+                table, forward_index=forward_index, layer=layer, signal="output_gradient"
+            )
+    # the same rows whichever way each module was called
+    baseline = MemorySink()
+    torch.manual_seed(0)
+    plain = TwoLeaves(direct_leaves=False)
+    with observe(plain, output_dir=None, sink=baseline, sampler=AlwaysSampler()):
+        for x in xs:
+            plain(x).sum().backward()
+    assert measured == _measured(baseline.table())
+
+
+class SelfCalling(nn.Module):
+    """A root whose forward calls its own ``forward`` directly (nested, not a second root
+    forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        y: torch.Tensor = self.lin(x)
+        return self.forward(y, depth - 1) if depth else y
+
+
+@pytest.mark.parametrize("direct_root", [False, True])
+def test_a_nested_direct_root_forward_is_not_counted_again(direct_root: bool) -> None:
+    model = SelfCalling()
+    sink = MemorySink()
+    with observe(
+        model,
+        output_dir=None,
+        sink=sink,
+        sampler=AlwaysSampler(),
+        capture_direct_forwards=True,
+        selector=lambda name, module: True,  # the root too
+    ):
+        x = torch.randn(2, 3)
+        for _ in range(3):
+            model.forward(x) if direct_root else model(x)
+    table = sink.table()
+    assert sorted(set(table.column("forward_index").to_pylist())) == [0, 1, 2]
+    calls = rows(table, forward_index=0, layer="lin", signal="output", metric="mean")
+    assert [r["call_index"] for r in calls] == [0, 1]
+    root = rows(table, forward_index=0, layer="", signal="output", metric="mean")
+    assert len(root) == 1  # the outer call's output only
+
+
+def test_without_capture_direct_forwards_a_direct_root_forward_is_not_observed() -> None:
+    model = TwoLeaves(direct_leaves=False)
+    sink = MemorySink()
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
+        assert "forward" not in model.__dict__
+        model.forward(torch.randn(2, 3))
+    assert sink.table().num_rows == 0
+
+
 def test_removal_leaves_no_hook_or_attribute() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
     before = hook_state(model)

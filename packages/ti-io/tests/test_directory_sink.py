@@ -6,6 +6,7 @@ import errno
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -347,9 +348,10 @@ def test_write_failure_is_reported_and_the_rest_survives(
 
     monkeypatch.setattr(ti_io.parts, "write_parquet", full)
     per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)
-    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=per_sample))
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(flush_seconds=None))
     sink.open(s.run)
     sink.write_history(s.history(0))
+    sink.flush()  # part 0
     sink.write_history(s.history(1))
     with pytest.raises(ArtifactWriteError, match="No space left") as caught:
         sink.flush()
@@ -438,21 +440,23 @@ def test_a_dead_writer_thread_is_reported_instead_of_waited_for(
     tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Should the writer thread end (a fault its own error handling cannot catch), the
-    training thread is not blocked forever on the full queue: it gets an ArtifactWriteError
+    training thread is not blocked forever on a full buffer: it gets an ArtifactWriteError
     saying rows are not being written."""
     s = synth()
 
-    def die(self: object, kind: str, batches: list[pa.RecordBatch]) -> None:
+    def die(self: object, history: object, histograms: object) -> None:
         raise SystemExit("writer fault")  # ends the thread silently, like an uncatchable fault
 
-    monkeypatch.setattr(ti_io.parts.PartWriter, "_handle", die)
-    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=1))
+    monkeypatch.setattr(ti_io.parts.PartWriter, "_publish", die)
+    per_sample = s.history(0).num_rows
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=per_sample))
     sink.open(s.run)
-    # Every batch is a chunk: the first ends the thread, QUEUE_CHUNKS more fit in the queue.
-    for sample in range(1 + ti_io.parts.QUEUE_CHUNKS):
-        sink.write_history(s.history(sample))
+    sink.write_history(s.history(0))  # a full part: the writer takes it and ends
+    assert sink._writer is not None
+    sink._writer._thread.join(timeout=60)
     with pytest.raises(ArtifactWriteError, match="has stopped; rows are not being written"):
-        sink.write_history(s.history(1 + ti_io.parts.QUEUE_CHUNKS))
+        for sample in range(1, 2 + ti_io.parts.BACKPRESSURE_PARTS):  # until the buffer is full
+            sink.write_history(s.history(sample))
 
 
 def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(
@@ -470,11 +474,11 @@ def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(
 
     monkeypatch.setattr(ti_io.parts, "write_parquet", transient)
     per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)
-    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=per_sample))
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(flush_seconds=None))
     sink.open(s.run)
     for sample in range(3):
         sink.write_history(s.history(sample))
-    sink.flush()  # no error: the retry published the part
+        sink.flush()  # one part per sample; no error: the retry published part 1
     sink.close()
     assert failed == ["part-000001.parquet"]
     kept = pl.read_parquet(tmp_path / "history.parquet").get_column("sample_id").unique().sort()
@@ -501,10 +505,10 @@ def test_deleted_directory_is_reported(tmp_path: Path, synth: Callable[..., Synt
 def test_backpressure_blocks_instead_of_dropping(
     tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the writer stuck on the first part and the queue full, the next write_history waits
-    inside the queue (observed, not timed), and every row arrives once the disk frees up."""
+    """With the writer stuck on its first publication and the buffer full again, write_history
+    waits for room (observed, not timed), and every row arrives once the disk frees up."""
     s = synth()
-    writing, gate, blocked = threading.Event(), threading.Event(), threading.Event()
+    writing, gate = threading.Event(), threading.Event()
     real = ti_io.parts.write_parquet
 
     def slow(path: Path, table: pa.Table) -> None:
@@ -513,21 +517,13 @@ def test_backpressure_blocks_instead_of_dropping(
         real(path, table)
 
     monkeypatch.setattr(ti_io.parts, "write_parquet", slow)
-    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=1))
+    per_sample = s.history(0).num_rows
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=per_sample))
     sink.open(s.run)
-    assert sink._writer is not None
-    chunks = ti_io.parts.QUEUE_CHUNKS + 3
-    queue = sink._writer._queue
-    real_put = queue.put
-
-    def put(item: Any, block: bool = True, timeout: float | None = None) -> None:
-        if writing.is_set() and queue.full():
-            blocked.set()  # the writer holds chunk 0 and cannot take more: this put must wait
-        real_put(item, block, timeout)
-
-    monkeypatch.setattr(queue, "put", put)
+    writer = sink._writer
+    assert writer is not None
     returned: list[int] = []
-    sent = [s.history(i) for i in range(chunks)]
+    sent = [s.history(i) for i in range(8)]
 
     def train() -> None:
         for i, batch in enumerate(sent):
@@ -536,13 +532,18 @@ def test_backpressure_blocks_instead_of_dropping(
 
     producer = threading.Thread(target=train)
     producer.start()
-    assert blocked.wait(timeout=60), "the producer never met a full queue"  # deadlock guard
-    # one chunk in the writer's hands, QUEUE_CHUNKS waiting; the next call has not returned
-    assert returned == list(range(ti_io.parts.QUEUE_CHUNKS + 1))
+    deadline = time.monotonic() + 60  # a deadlock guard, not a timing
+    while not (writing.is_set() and writer._buffers["history"].overfull):
+        assert time.monotonic() < deadline, "the producer never met a full buffer"
+        assert producer.is_alive(), "every write returned although the writer was stuck"
+        time.sleep(0.01)
+    # The writer holds what it took, BACKPRESSURE_PARTS full parts are buffered, and the call
+    # that filled them has not returned.
     assert producer.is_alive()
+    assert len(returned) < len(sent)
     gate.set()
     producer.join()
-    assert returned == list(range(chunks))
+    assert returned == list(range(len(sent)))
     sink.close()
     assert_rows_equal(pq.read_table(tmp_path / "history.parquet"), sent)
 

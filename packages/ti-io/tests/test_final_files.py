@@ -28,8 +28,9 @@ CONSOLIDATE = importlib.import_module("ti_io.consolidate")
 def _finalized_run(
     directory: Path, s: Synth, samples: int, part_samples: int
 ) -> dict[str, list[pa.RecordBatch]]:
-    per_sample = s.history(0).num_rows
-    config = HistoryConfig(buffer_rows=part_samples * per_sample, window=3, flush_seconds=None)
+    # Parts of exactly ``part_samples`` samples: published by flush (the writer takes what is
+    # buffered when it gets to it, so a part due by row count may hold a little more).
+    config = HistoryConfig(buffer_rows=10**6, window=3, flush_seconds=None)
     sink = DirectorySink(directory, history_config=config)
     sink.open(s.run)
     sent: dict[str, list[pa.RecordBatch]] = {"history": [], "histograms": []}
@@ -38,6 +39,8 @@ def _finalized_run(
         sent["histograms"].append(s.histograms(sample))
         sink.write_history(sent["history"][-1])
         sink.write_histograms(sent["histograms"][-1])
+        if (sample + 1) % part_samples == 0:
+            sink.flush()
     sink.close()
     return sent
 

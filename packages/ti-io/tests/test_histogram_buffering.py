@@ -1,5 +1,6 @@
-"""Histograms are buffered on the training thread and handed to the writer with history parts,
-every ``buffer_rows`` histogram rows, and at flush/close; none is lost or duplicated."""
+"""Histograms are buffered with the history rows and published with them (by the clock, with
+each history part, every ``histogram_buffer_rows`` histogram rows, and at flush/close); none is
+lost or duplicated."""
 
 from __future__ import annotations
 
@@ -25,25 +26,30 @@ def test_histograms_reach_the_writer_only_in_chunks(
     tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = synth()
-    handed: list[int] = []
-    original = ti_io.parts.PartWriter.submit_histograms
+    published: list[int] = []
+    original = ti_io.parts.PartWriter._publish
 
-    def counting(self: ti_io.parts.PartWriter, batches: list[pa.RecordBatch]) -> None:
-        handed.append(len(batches))
-        original(self, batches)
+    def counting(
+        self: ti_io.parts.PartWriter,
+        history: list[pa.RecordBatch],
+        histograms: list[pa.RecordBatch],
+    ) -> None:
+        published.append(len(histograms))
+        original(self, history, histograms)
 
-    monkeypatch.setattr(ti_io.parts.PartWriter, "submit_histograms", counting)
-    # Large history buffer: no history part is due during the 12 samples.
-    sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=10_000, window=3))
+    monkeypatch.setattr(ti_io.parts.PartWriter, "_publish", counting)
+    # Large buffers and no clock: no part is due during the 12 samples.
+    config = HistoryConfig(buffer_rows=10_000, window=3, flush_seconds=None)
+    sink = DirectorySink(tmp_path, history_config=config)
     sink.open(s.run)
     per_sample = s.histograms(0).num_rows
     for sample in range(12):
         sink.write_history(s.history(sample))
         sink.write_histograms(s.histograms(sample))
-    assert handed == []  # buffered: the writer was not woken per batch
+    assert published == []  # buffered: the writer was not woken per batch
     assert _part_rows(tmp_path) == 0
-    sink.flush()  # hands over and publishes everything buffered
-    assert handed == [12]
+    sink.flush()  # publishes everything buffered, in one publication
+    assert published == [12]
     assert _part_rows(tmp_path) == 12 * per_sample
     sink.write_histograms(s.histograms(12))
     sink.close()

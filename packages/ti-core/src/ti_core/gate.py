@@ -60,6 +60,7 @@ from ti_core.capture.hooks import (
     call_overridable,
     install_call_override,
     install_forward_override,
+    install_root_forward_override,
     remove_call_overrides,
 )
 from ti_core.capture.parameters import ParameterCapture
@@ -210,8 +211,11 @@ class Gate:
                 root.register_forward_pre_hook(RootPreHook(self), prepend=True).remove,
                 root.register_forward_hook(RootPostHook(self), always_call=True).remove,
             ]
+            compiled = bool(compiled_wrappers(root))
+            if self._direct and not compiled:  # a direct model.forward(x) is a root forward
+                self._root_removers.append(install_root_forward_override(self, root))
             self._state = _IDLE
-        if compiled_wrappers(root):  # torch.compile's OptimizedModule: compiled from the start
+        if compiled:  # torch.compile's OptimizedModule: compiled from the start
             self.enter_compiled_mode(ahead=False)
 
     def close(self) -> None:
@@ -364,6 +368,12 @@ class Gate:
             local.sample = None
             with self._lock:
                 self._in_flight -= 1
+
+    def in_root_forward(self, caller: FrameType) -> bool:
+        """Whether ``caller`` runs inside this thread's root forward (not one that an
+        interrupt left behind: :meth:`root_enter` drops that one)."""
+        local = self._local
+        return bool(local.depth) and _has_ancestor(caller, local.outer)
 
     def replica_entered(self, root: nn.Module) -> None:
         """A ``DataParallel`` replica of the root starts a forward: its modules copied their

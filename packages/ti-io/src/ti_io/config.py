@@ -17,24 +17,26 @@ def _positive_int(name: str, value: object) -> None:
 class HistoryConfig:
     """How history is buffered, published while the run is live, and summarized.
 
-    ``buffer_rows``: history rows held in memory before they are handed to the background
-    writer and published as one ``history.parts/part-NNNNNN.parquet`` (a 1,000-layer model
-    sampled every step makes about 18,000 rows per step; a small part costs a file of fixed
-    overhead). ``histogram_buffer_rows``: the same for histogram rows, which hold their bucket
-    lists (about 700 bytes each), so their default is smaller. ``flush_seconds``: buffered rows
-    are handed over, whatever their count, once the oldest has waited this long (checked when
-    a batch arrives; None: only by count, at ``flush`` and at removal). Together they bound
-    what a hard kill can lose: fewer than ``buffer_rows`` history and
-    ``histogram_buffer_rows`` histogram rows, none older than ``flush_seconds`` at the last
-    batch. ``window``: observations per window for ``recent_window_mean`` (the last
-    ``window``, or all when fewer) and ``previous_window_mean`` (the up to ``window`` before
-    those) in result.json; recorded in the ``ti`` footer of ``history.parquet``.
+    ``flush_seconds``: every buffered row is published (as a part of
+    ``history.parts/part-NNNNNN.parquet``, its histograms in ``histograms.parts/`` and
+    TensorBoard) at most this long after it arrived, by the writer's own clock: a sample is
+    readable about a second after its signal ended, and dense sampling makes at most one part
+    per stream per ``flush_seconds`` (None: publish only by row count, at ``flush`` and at
+    removal). ``buffer_rows``: a part is published sooner once this many history rows are
+    buffered (a 1,000-layer model sampled every step makes about 18,000 rows per step): the
+    bound on memory. ``histogram_buffer_rows``: the same for histogram rows, which hold their
+    bucket lists (about 700 bytes each), so their default is smaller. Together they bound what
+    a hard kill can lose: the rows of the last ``flush_seconds`` and fewer than twice
+    ``buffer_rows`` history and ``histogram_buffer_rows`` histogram rows. ``window``:
+    observations per window for ``recent_window_mean`` (the last ``window``, or all when
+    fewer) and ``previous_window_mean`` (the up to ``window`` before those) in result.json;
+    recorded in the ``ti`` footer of ``history.parquet``.
     """
 
     buffer_rows: int = 65_536
     window: int = 20
     histogram_buffer_rows: int = 8_192
-    flush_seconds: float | None = 120.0
+    flush_seconds: float | None = 1.0
 
     def __post_init__(self) -> None:
         _positive_int("buffer_rows", self.buffer_rows)

@@ -2,8 +2,9 @@
 
 Lifecycle (the observer owns it): constructed by the user or by ``output_dir=`` (arguments
 checked, no I/O); ``open`` claims the directory, publishes the layer catalog and index.md and
-starts the background writer; ``write_*`` run on the training thread and only buffer and
-enqueue; ``close`` drains the writer and finalizes (see :mod:`ti_io.consolidate`).
+starts the background writer (:mod:`ti_io.parts`, which publishes the rows on its own clock);
+``write_*`` check each batch and hand it to the writer's buffer; ``close`` stops the writer,
+which publishes what is buffered, and finalizes (see :mod:`ti_io.consolidate`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import threading
-import time
 import weakref
 from pathlib import Path
 from typing import Final, Literal
@@ -133,12 +132,6 @@ class DirectorySink:
         self._writer: PartWriter | None = None
         self._history_schema: pa.Schema | None = None
         self._histogram_schema: pa.Schema | None = None
-        self._buffer: list[pa.RecordBatch] = []
-        self._buffered_rows = 0
-        self._histograms: list[pa.RecordBatch] = []
-        self._histogram_rows = 0
-        self._oldest: float | None = None  # monotonic arrival of the oldest buffered row
-        self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
         self._barriers: list[Barrier] = []
@@ -215,7 +208,9 @@ class DirectorySink:
             directory,
             self._history_schema,
             self._histogram_schema,
+            history_part_rows=self.history_config.buffer_rows,
             histogram_part_rows=self.history_config.histogram_buffer_rows,
+            delay=self.history_config.flush_seconds,
             events=events,
         )
         self._directory = directory
@@ -224,48 +219,26 @@ class DirectorySink:
         _live_sinks.add(self)
 
     def write_history(self, batch: pa.RecordBatch) -> None:
-        """Buffer ``batch``; hand the buffers to the writer every ``buffer_rows`` rows, or once
-        the oldest buffered row has waited ``flush_seconds``.
+        """Buffer ``batch``; the writer publishes it within ``flush_seconds`` (or sooner, when
+        ``buffer_rows`` rows are buffered).
 
         Raises ArtifactWriteError after accepting the batch when an earlier write failed.
         """
         writer = self._require_open("write_history")
         assert self._history_schema is not None
         _check_schema(batch, self._history_schema, "write_history")
-        chunk: list[pa.RecordBatch] = []
-        histograms: list[pa.RecordBatch] = []
-        with self._lock:
-            if batch.num_rows:
-                self._buffer.append(batch)
-                self._buffered_rows += batch.num_rows
-                self._arrived()
-            overdue = self._overdue()
-            if overdue or self._buffered_rows >= self.history_config.buffer_rows:
-                chunk, histograms = self._take_all()
-        self._submit(writer, chunk, histograms, publish=overdue)
+        if batch.num_rows:
+            writer.add("history", batch)
         self._raise_failures(writer)
 
     def write_histograms(self, batch: pa.RecordBatch) -> None:
-        """Buffer ``batch``; the writer gets the buffered histograms (for TensorBoard and the
-        next histogram part) with each history part, every ``histogram_buffer_rows`` rows,
-        once ``flush_seconds`` have passed, and at ``flush``/``close``. Waking the writer per
-        batch cost the training thread more than the buffering."""
+        """Buffer ``batch``; the writer publishes it (TensorBoard events and a histogram part)
+        with the history rows, or sooner when ``histogram_buffer_rows`` rows are buffered."""
         writer = self._require_open("write_histograms")
         assert self._histogram_schema is not None
         _check_schema(batch, self._histogram_schema, "write_histograms")
-        chunk: list[pa.RecordBatch] = []
-        histograms: list[pa.RecordBatch] = []
-        with self._lock:
-            if batch.num_rows:
-                self._histograms.append(batch)
-                self._histogram_rows += batch.num_rows
-                self._arrived()
-            overdue = self._overdue()
-            if overdue:
-                chunk, histograms = self._take_all()
-            elif self._histogram_rows >= self.history_config.histogram_buffer_rows:
-                histograms = self._take_histograms()
-        self._submit(writer, chunk, histograms, publish=overdue)
+        if batch.num_rows:
+            writer.add("histograms", batch)
         self._raise_failures(writer)
 
     def flush(self) -> None:
@@ -276,8 +249,7 @@ class DirectorySink:
         """
         writer = self._require_open("flush")
         self._wait_for_writers()
-        self._hand_over(writer, publish=True)
-        writer.wait_idle()
+        writer.flush()
         self._raise_failures(writer)
 
     def close(self) -> None:
@@ -294,7 +266,7 @@ class DirectorySink:
         writer = self._writer
         failures: list[WriteFailure] = []
         try:
-            self._drain(writer)
+            writer.stop()
         finally:
             failures += writer.take_errors()
         assert self._directory is not None
@@ -334,62 +306,6 @@ class DirectorySink:
             assert self._directory is not None
             raise _report(self._directory, failures)
 
-    def _arrived(self) -> None:
-        """Note a buffered row's arrival (call under ``_lock``): the first one after a hand-over
-        starts the ``flush_seconds`` clock."""
-        if self._oldest is None:
-            self._oldest = time.monotonic()
-
-    def _overdue(self) -> bool:
-        """Whether the oldest buffered row has waited ``flush_seconds`` (call under ``_lock``)."""
-        seconds = self.history_config.flush_seconds
-        return (
-            seconds is not None
-            and self._oldest is not None
-            and time.monotonic() - self._oldest >= seconds
-        )
-
-    def _take_histograms(self) -> list[pa.RecordBatch]:
-        """The buffered histogram batches, emptying the buffer (call under ``_lock``)."""
-        histograms, self._histograms, self._histogram_rows = self._histograms, [], 0
-        if not self._buffer:
-            self._oldest = None
-        return histograms
-
-    def _take_all(self) -> tuple[list[pa.RecordBatch], list[pa.RecordBatch]]:
-        """Every buffered history and histogram batch, emptying both buffers (call under
-        ``_lock``)."""
-        chunk, self._buffer, self._buffered_rows = self._buffer, [], 0
-        return chunk, self._take_histograms()
-
-    @staticmethod
-    def _submit(
-        writer: PartWriter,
-        chunk: list[pa.RecordBatch],
-        histograms: list[pa.RecordBatch],
-        *,
-        publish: bool,
-    ) -> None:
-        """Hand taken buffers to the writer: histograms first (a history part publishes the
-        histograms pending with it); ``publish``: histograms without a history part become a
-        part now too."""
-        if histograms:
-            writer.submit_histograms(histograms)
-        if chunk:
-            writer.submit_history(chunk)
-        elif publish:
-            writer.submit_flush()
-
-    def _hand_over(self, writer: PartWriter, *, publish: bool) -> None:
-        """Give the writer every buffered history row and histogram."""
-        with self._lock:
-            chunk, histograms = self._take_all()
-        self._submit(writer, chunk, histograms, publish=publish)
-
-    def _drain(self, writer: PartWriter) -> None:
-        self._hand_over(writer, publish=False)  # stop() publishes what is pending
-        writer.stop()
-
     def _flush_at_exit(self) -> None:
         """Interpreter exit without removal: publish buffered rows as parts (no finalization),
         so ``ti consolidate`` recovers them."""
@@ -397,7 +313,7 @@ class DirectorySink:
             return  # a forked child (e.g. a DataLoader worker) owns no writer thread
         self._wait_for_writers()
         self._closed = True
-        self._drain(self._writer)
+        self._writer.stop()
 
 
 _live_sinks: weakref.WeakSet[DirectorySink] = weakref.WeakSet()

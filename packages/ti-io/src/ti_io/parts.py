@@ -1,21 +1,36 @@
-"""The background writer: publishes history and histogram chunks as Parquet parts.
+"""The background writer: buffers history and histogram rows and publishes them as Parquet parts.
 
-Ownership: one ``PartWriter`` per open ``DirectorySink``; its single thread is the only writer
-of ``history.parts/``, ``histograms.parts/`` and the sink's TensorBoard event file until
-``stop``. The queue is bounded: when the disk is slower than training, ``submit_*`` blocks the
-training thread (backpressure) instead of dropping rows or growing memory. A failed write is
-recorded (path, cause, rows lost) and reported by ``take_errors``; the thread keeps serving
-later chunks, so everything that can still be published is. A part whose publication fails
-is written once more at once (:func:`publish_part`): a transient error loses nothing.
+Ownership: one ``PartWriter`` per open ``DirectorySink``. The training thread (or the observer's
+emission worker) only appends batches to the writer's buffers under its lock (:meth:`add`); the
+writer's single thread is the only writer of ``history.parts/``, ``histograms.parts/`` and the
+sink's TensorBoard event file until :meth:`stop`, and the only one that takes the buffers.
+
+When it publishes (the batch-processor pattern: a size trigger and a time trigger on the
+writer's own clock, never a next batch):
+
+- ``delay`` seconds after the oldest buffered row arrived (``HistoryConfig.flush_seconds``), so
+  every sample is readable within about that long and dense sampling makes at most one part
+  per stream per ``delay``;
+- as soon as ``history_part_rows`` history or ``histogram_part_rows`` histogram rows are
+  buffered (the bound on memory);
+- at :meth:`flush` (which waits for it) and at :meth:`stop`.
+
+Each publication takes everything buffered: the histograms go to TensorBoard (written and
+flushed) and into a histogram part, the history rows into a history part. Backpressure: while
+the writer is still busy with the previous publication and a second full part has gathered,
+:meth:`add` waits instead of dropping rows or growing memory, so the writer holds at most about
+two parts' rows per stream. A failed write is recorded (path, cause, rows lost) and reported by
+:meth:`take_errors`; the thread keeps serving later publications. A part whose publication
+fails is written once more at once (:func:`publish_part`): a transient error loses nothing.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal, TypeAlias, assert_never
+from typing import Final, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -38,13 +53,13 @@ they are written for speed: LZ4 and no column statistics took about half the wri
 time of zstd with statistics (benchmarks/README.md, issue 16)."""
 Lost = Literal["history rows", "histogram rows", "TensorBoard histograms", "final artifacts"]
 """What a failed write cost, as the error message names it."""
-Chunk = Literal["history", "histograms", "flush"]
-"""What a queued item asks the writer to do."""
-Item: TypeAlias = tuple[Chunk, list[pa.RecordBatch]] | None
-"""A queued chunk, or None: publish what is pending and stop."""
+Stream = Literal["history", "histograms"]
+"""The two buffered streams."""
 
-QUEUE_CHUNKS: Final[int] = 3
-"""Chunks that may wait for the writer before the training thread blocks."""
+BACKPRESSURE_PARTS: Final[int] = 2
+"""Full parts per stream that may be buffered before :meth:`PartWriter.add` waits."""
+_LIVENESS_S: Final[float] = 1.0
+"""How often a waiting caller checks that the writer thread is still alive."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,29 @@ class WriteFailure:
     cause: BaseException
     rows_lost: int
     what: Lost
+
+
+class _Buffer:
+    """One stream's buffered batches (guarded by the writer's lock)."""
+
+    __slots__ = ("batches", "part_rows", "rows")
+
+    def __init__(self, part_rows: int) -> None:
+        self.part_rows = part_rows
+        self.batches: list[pa.RecordBatch] = []
+        self.rows = 0
+
+    def take(self) -> list[pa.RecordBatch]:
+        batches, self.batches, self.rows = self.batches, [], 0
+        return batches
+
+    @property
+    def full(self) -> bool:
+        return self.rows >= self.part_rows
+
+    @property
+    def overfull(self) -> bool:
+        return self.rows >= BACKPRESSURE_PARTS * self.part_rows
 
 
 def conform(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
@@ -133,7 +171,8 @@ def publish_part(path: Path, table: pa.Table) -> None:
 
 
 class PartWriter:
-    """A single background thread that publishes parts (see the module docstring)."""
+    """Buffers and publishes one run's parts on a single background thread (see the module
+    docstring)."""
 
     def __init__(
         self,
@@ -141,122 +180,174 @@ class PartWriter:
         history_schema: pa.Schema,
         histogram_schema: pa.Schema,
         *,
+        history_part_rows: int,
         histogram_part_rows: int,
+        delay: float | None,
         events: EventFileHistograms | None,
     ) -> None:
         self._history_dir = directory / HISTORY_PARTS
         self._histogram_dir = directory / HISTOGRAM_PARTS
         self._history_schema = history_schema
         self._histogram_schema = histogram_schema
-        self._histogram_part_rows = histogram_part_rows
+        self._delay = delay
         self._events = events
-        self._queue: queue.Queue[Item] = queue.Queue(QUEUE_CHUNKS)
+        self._cond = threading.Condition()
+        # Guarded by _cond: the buffers, the clock of the oldest buffered row, flush requests.
+        self._buffers: dict[Stream, _Buffer] = {
+            "history": _Buffer(history_part_rows),
+            "histograms": _Buffer(histogram_part_rows),
+        }
+        self._oldest: float | None = None
+        self._requested = 0  # flushes asked for
+        self._served = 0  # flushes whose rows are published (or recorded as failed)
+        self._busy = False  # the writer is publishing what it took
+        self._stopping = False
+        # Writer thread only.
         self._failures: list[WriteFailure] = []
-        self._lock = threading.Lock()
+        self._failures_lock = threading.Lock()
         self._history_index = 0
         self._histogram_index = 0
-        self._pending_histograms: list[pa.RecordBatch] = []
-        self._pending_histogram_rows = 0
         self._dictionaries = DictionaryCache()
         self._thread = threading.Thread(target=self._run, name="ti-io-part-writer", daemon=True)
         self._thread.start()
 
     # -- training thread -------------------------------------------------------------------
 
-    def submit_history(self, batches: list[pa.RecordBatch]) -> None:
-        """Queue one chunk of history batches to become the next part (blocks when full)."""
-        self._put(("history", batches))
+    def add(self, stream: Stream, batch: pa.RecordBatch) -> None:
+        """Buffer ``batch``; wake the writer only when this starts the clock or fills a part
+        (waking it per batch cost the training thread more than the buffering). Waits while
+        the writer is behind (backpressure)."""
+        with self._cond:
+            buffer = self._buffers[stream]
+            buffer.batches.append(batch)
+            buffer.rows += batch.num_rows
+            wake = buffer.full
+            if self._oldest is None:
+                self._oldest = time.monotonic()
+                wake = wake or self._delay is not None
+            if wake:
+                self._cond.notify_all()
+            if buffer.overfull:
+                self._wait_for_room(buffer)
 
-    def submit_flush(self) -> None:
-        """Queue publication of the pending histograms as a part."""
-        self._put(("flush", []))
+    def _wait_for_room(self, buffer: _Buffer) -> None:
+        """Block (under ``_cond``) until the writer has taken ``buffer``'s rows."""
+        while buffer.overfull:
+            self._require_thread()
+            self._cond.wait(_LIVENESS_S)
 
-    def submit_histograms(self, batches: list[pa.RecordBatch]) -> None:
-        """Queue histogram batches for TensorBoard and the next histogram part (blocks when
-        full)."""
-        self._put(("histograms", batches))
+    def flush(self) -> None:
+        """Publish everything buffered now and return once it is published (or failed)."""
+        with self._cond:
+            self._requested += 1
+            ticket = self._requested
+            self._cond.notify_all()
+            while self._served < ticket:
+                self._require_thread()
+                self._cond.wait(_LIVENESS_S)
 
     def wait_idle(self) -> None:
-        """Block until every queued chunk has been handled (published or recorded as failed)."""
-        self._queue.join()
+        """Block until the writer has published everything that is due now (not what is still
+        waiting for its delay)."""
+        with self._cond:
+            while self._busy or self._due(time.monotonic()):
+                self._require_thread()
+                self._cond.wait(_LIVENESS_S)
 
     def take_errors(self) -> list[WriteFailure]:
         """Failures since the last call (each reported once)."""
-        with self._lock:
+        with self._failures_lock:
             failures, self._failures = self._failures, []
         return failures
 
     def stop(self) -> None:
-        """Publish what is queued and pending, close the event file, join the thread."""
-        if self._thread.is_alive():
-            self._put(None)
+        """Publish everything buffered, close the event file, join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
-    def _put(self, item: Item) -> None:
-        while True:
-            try:
-                self._queue.put(item, timeout=1.0)
-                return
-            except queue.Full:
-                if not self._thread.is_alive():
-                    raise ArtifactWriteError(
-                        f"the ti-io writer thread for {self._history_dir.parent} has stopped; "
-                        "rows are not being written"
-                    ) from None
+    def _require_thread(self) -> None:
+        if not self._thread.is_alive():
+            raise ArtifactWriteError(
+                f"the ti-io writer thread for {self._history_dir.parent} has stopped; "
+                "rows are not being written"
+            )
 
     # -- writer thread ---------------------------------------------------------------------
 
+    def _due(self, now: float) -> bool:
+        """Whether a publication is due (call under ``_cond``)."""
+        if self._stopping or self._requested > self._served:
+            return True
+        if any(buffer.full for buffer in self._buffers.values()):
+            return True
+        return (
+            self._delay is not None
+            and self._oldest is not None
+            and now - self._oldest >= self._delay
+        )
+
+    def _timeout(self, now: float) -> float | None:
+        """Seconds until the delay makes a publication due; None: only a wake-up can."""
+        if self._delay is None or self._oldest is None:
+            return None
+        return max(0.0, self._oldest + self._delay - now)
+
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            with self._cond:
+                now = time.monotonic()
+                while not self._due(now):
+                    self._cond.wait(self._timeout(now))
+                    now = time.monotonic()
+                ticket, stopping = self._requested, self._stopping
+                history = self._buffers["history"].take()
+                histograms = self._buffers["histograms"].take()
+                self._oldest = None
+                self._busy = True
+                self._cond.notify_all()  # room again for a producer waiting in add()
             try:
-                if item is None:
-                    self._flush_histograms()
+                self._publish(history, histograms)
+                if stopping:
                     self._close_events()
-                    return
-                self._handle(*item)
             finally:
-                self._queue.task_done()
+                del history, histograms
+                with self._cond:
+                    self._busy = False
+                    self._served = max(self._served, ticket)
+                    self._cond.notify_all()
+            if stopping:
+                return
 
-    def _handle(self, kind: Chunk, batches: list[pa.RecordBatch]) -> None:
-        if kind == "history":
-            self._write_history(batches)
-            self._flush_histograms()
-        elif kind == "flush":
-            self._flush_histograms()
-        elif kind == "histograms":
-            self._write_events(batches)
-            self._pending_histograms += batches
-            self._pending_histogram_rows += sum(b.num_rows for b in batches)
-            if self._pending_histogram_rows >= self._histogram_part_rows:
-                self._flush_histograms()
-        else:
-            assert_never(kind)
+    def _publish(self, history: list[pa.RecordBatch], histograms: list[pa.RecordBatch]) -> None:
+        """Write one publication: TensorBoard events, then the history and histogram parts."""
+        if histograms:
+            self._write_events(histograms)
+        if history:
+            self._write_part("history", history)
+        if histograms:
+            self._write_part("histograms", histograms)
 
     def _fail(self, path: Path, cause: BaseException, rows: int, what: Lost) -> None:
-        with self._lock:
+        with self._failures_lock:
             self._failures.append(WriteFailure(path, cause, rows, what))
 
-    def _write_history(self, batches: list[pa.RecordBatch]) -> None:
-        path = self._history_dir / part_name(self._history_index)
-        self._history_index += 1
-        rows = sum(b.num_rows for b in batches)
+    def _write_part(self, stream: Stream, batches: list[pa.RecordBatch]) -> None:
+        lost: Lost
+        if stream == "history":
+            path = self._history_dir / part_name(self._history_index)
+            self._history_index += 1
+            schema, lost = self._history_schema, "history rows"
+        else:
+            path = self._histogram_dir / part_name(self._histogram_index)
+            self._histogram_index += 1
+            schema, lost = self._histogram_schema, "histogram rows"
         try:
-            publish_part(path, part_table(batches, self._history_schema, self._dictionaries))
+            publish_part(path, part_table(batches, schema, self._dictionaries))
         except Exception as exc:  # recorded and reported on the training thread
-            self._fail(path, exc, rows, "history rows")
-
-    def _flush_histograms(self) -> None:
-        if not self._pending_histograms:
-            return
-        batches, self._pending_histograms = self._pending_histograms, []
-        rows, self._pending_histogram_rows = self._pending_histogram_rows, 0
-        path = self._histogram_dir / part_name(self._histogram_index)
-        self._histogram_index += 1
-        try:
-            publish_part(path, part_table(batches, self._histogram_schema, self._dictionaries))
-        except Exception as exc:
-            self._fail(path, exc, rows, "histogram rows")
+            self._fail(path, exc, sum(b.num_rows for b in batches), lost)
 
     def _write_events(self, batches: list[pa.RecordBatch]) -> None:
         if self._events is None:

@@ -29,6 +29,7 @@ import shutil
 import sys
 import tempfile
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -42,8 +43,6 @@ from ti_schema.layout import HISTORY_PARTS, RUN_FILE, rank_dir_name
 
 DATA: Final[Path] = Path(__file__).resolve().parent / "core-runs"
 STEPS: Final[int] = 4
-BUFFER_ROWS: Final[int] = 64
-"""Small enough that the run publishes several parts."""
 WINDOW: Final[int] = 2
 HOST: Final[str] = "ti-io-test-data"
 
@@ -66,7 +65,7 @@ def _model() -> nn.Sequential:
     return nn.Sequential(OrderedDict(encoder=nn.Linear(5, 8), act=nn.ReLU(), head=nn.Linear(8, 3)))
 
 
-def _train(model: nn.Module, seed: int) -> None:
+def _train(model: nn.Module, seed: int, after_step: Callable[[], None]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(seed)
     for _ in range(STEPS):
@@ -75,6 +74,7 @@ def _train(model: nn.Module, seed: int) -> None:
         loss = (model(x) - x[:, :3]).pow(2).mean()
         loss.backward()
         optimizer.step()
+        after_step()
 
 
 def _observed_run(
@@ -87,14 +87,16 @@ def _observed_run(
 ) -> None:
     """Train one observed run in ``output_dir``; copy it to ``live_copy`` before removal."""
     model = _model()
+    # One part per step, whatever the machine's speed: published by flush, not by the clock
+    # (the file list is compared with a fresh run's by tests/test_io_core_written_data.py).
     sink = DirectorySink(
-        output_dir, history_config=HistoryConfig(buffer_rows=BUFFER_ROWS, window=WINDOW)
+        output_dir, history_config=HistoryConfig(window=WINDOW, flush_seconds=None)
     )
     inject_observer(
         model, sink=sink, sampler=AlwaysSampler(), rank_policy=rank_policy, signals=signals
     )
     try:
-        _train(model, seed)
+        _train(model, seed, sink.flush)
         if live_copy is not None:
             sink.flush()  # every row published: the state a kill -9 now would leave
             shutil.copytree(sink.directory, live_copy)

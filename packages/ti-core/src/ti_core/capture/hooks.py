@@ -3,7 +3,8 @@
 Lifecycle (the gate, :mod:`ti_core.gate`, installs and removes them all): two permanent hooks on
 the root module; per-module capture only while sampling: instance-level ``_call_impl`` overrides
 (:class:`CallOverride`, eager, where possible), forward hooks (:class:`CallHook`, elsewhere and
-in compiled graphs), or, with ``capture_direct_forwards``, instance-level ``forward`` overrides.
+in compiled graphs), or, with ``capture_direct_forwards``, instance-level ``forward`` overrides
+(and one on the root, permanent, so that a direct ``model.forward(x)`` is a root forward).
 Gradient hooks (:mod:`ti_core.capture.gradients`) live on the autograd graph and die with it.
 
 Every hook object pickles and deep-copies to an inert no-op, so ``copy.deepcopy(model)`` and
@@ -44,6 +45,11 @@ class CaptureTarget(Protocol):
 
     def root_exit(self, module: nn.Module, output: Any) -> None:
         """A root forward ended (also when it raised)."""
+        ...
+
+    def in_root_forward(self, caller: FrameType) -> bool:
+        """Whether ``caller`` runs inside a root forward of this thread (a root forward's own
+        ``forward`` call, or a nested one)."""
         ...
 
     def replica_entered(self, root: nn.Module) -> None:
@@ -216,6 +222,56 @@ class ForwardOverride(HookObject):
         return output
 
 
+class RootForwardOverride(HookObject):
+    """Instance-level ``forward`` of the root, with ``capture_direct_forwards``: a direct
+    ``model.forward(x)`` is a root forward (sampled, counted and ended as one); inside a root
+    forward (``model(x)``, whose root hooks already run, or a nested call) it only delegates,
+    so nothing is counted twice."""
+
+    __slots__ = ("__weakref__", "module_ref", "previous", "target")
+
+    def __init__(
+        self, target: CaptureTarget, module: nn.Module, previous: Callable[..., Any] | None
+    ) -> None:
+        self.target = target
+        self.module_ref = weakref.ref(module)
+        self.previous = previous
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any] | None:
+        """What ``inspect.signature`` should see: the forward this override delegates to."""
+        return self._forward()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_copied_forward, (self.module_ref(), self.previous))
+
+    def _forward(self) -> Callable[..., Any] | None:
+        if self.previous is not None:
+            return self.previous
+        module = self.module_ref()
+        return None if module is None else type(module).forward.__get__(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        forward = self._forward()
+        if module is None or forward is None:  # pragma: no cover - the module owns this object
+            raise ReferenceError("module of this forward override is gone")
+        if is_compiling():
+            return forward(*args, **kwargs)
+        caller = sys._getframe(1)
+        target = self.target
+        if target.in_root_forward(caller):
+            return forward(*args, **kwargs)
+        target.root_enter(caller)
+        try:
+            output = forward(*args, **kwargs)
+        except BaseException:
+            target.root_exit(module, None)
+            raise
+        target.root_exit(module, output)
+        return output
+
+
 _call_impl: Final[Callable[..., Any]] = nn.Module._call_impl
 
 
@@ -314,9 +370,20 @@ def install_forward_override(
     target: CaptureTarget, layer: int, module: nn.Module
 ) -> Callable[[], None]:
     """Put a :class:`ForwardOverride` on ``module``; return the function that undoes it exactly."""
+    previous = module.__dict__.get("forward")
+    return _set_forward(module, ForwardOverride(target, layer, module, previous))
+
+
+def install_root_forward_override(target: CaptureTarget, root: nn.Module) -> Callable[[], None]:
+    """Put a :class:`RootForwardOverride` on ``root``; return the function that undoes it
+    exactly."""
+    previous = root.__dict__.get("forward")
+    return _set_forward(root, RootForwardOverride(target, root, previous))
+
+
+def _set_forward(module: nn.Module, override: Callable[..., Any]) -> Callable[[], None]:
     had_instance = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
-    override = ForwardOverride(target, layer, module, previous)
     module.__dict__["forward"] = override
     module_ref = weakref.ref(module)
 
@@ -346,10 +413,12 @@ __all__ = [
     "HookObject",
     "PassthroughCall",
     "RootPostHook",
+    "RootForwardOverride",
     "RootPreHook",
     "call_overridable",
     "install_call_override",
     "install_forward_override",
+    "install_root_forward_override",
     "remove_call_overrides",
     "scrub_copied_hooks",
 ]
