@@ -346,3 +346,92 @@ def test_history_benchmark_runs_at_small_scale() -> None:
     assert result["samples"] == 10
     assert result["finalize_s"] > 0
     assert result["peak_rss_growth_mb"] >= 0
+
+
+LIVE_PATIENCE_S = 30.0
+"""A deadlock guard for the live-rows test, far above the designed latency (flush_seconds plus
+one part's write) so a loaded machine cannot fail it; the latency itself is asserted below."""
+
+
+def _live_rows(run: Path) -> pl.DataFrame | None:
+    if not list((run / "history.parts").glob("part-*.parquet")):
+        return None
+    return pl.scan_parquet(run / "history.parts" / "*.parquet").collect()
+
+
+@pytest.mark.parametrize(
+    "sampler", [None, AlwaysSampler()], ids=["default TimedSampler", "AlwaysSampler"]
+)
+def test_every_sample_is_readable_live_seconds_after_its_signal_ends(
+    tmp_path: Path, sampler: AlwaysSampler | None
+) -> None:
+    """Default settings, four forward+backward steps (0.8.0 published a part after each), then
+    no further step: the writer's own clock publishes the rows,
+    which Polars reads from history.parts/ and `ti summary` shows while the model is still
+    attached."""
+    run = tmp_path / "stats"
+    model = nn.Sequential(nn.Linear(4, 4), nn.Identity())
+    extra = {} if sampler is None else {"sampler": sampler}
+    inject_observer(model, output_dir=run, **extra)
+    try:
+        for _ in range(4):
+            model(torch.randn(2, 4)).sum().backward()
+        ended = time.monotonic()
+        expected = {0, 1, 2, 3} if sampler is not None else {0}  # TimedSampler: the first
+        seen: pl.DataFrame | None = None
+        while True:
+            seen = _live_rows(run)
+            if seen is not None:
+                got = {
+                    (f, s)
+                    for f, s in seen.select("forward_index", "signal").unique().iter_rows()
+                }
+                if got >= {(f, s) for f in expected for s in ("output", "output_gradient")}:
+                    break
+            assert time.monotonic() - ended < LIVE_PATIENCE_S, "rows never became readable"
+            time.sleep(0.02)
+        latency = time.monotonic() - ended
+        # Designed bound: flush_seconds (1 s) after the oldest row, plus one part's write.
+        assert latency < 2.0 + 1.0, latency  # one second of slack for a loaded machine
+        assert set(seen.get_column("forward_index").unique()) == expected
+        summary = subprocess.run(
+            [str(Path(sys.executable).with_name("ti")), "summary", str(run), "--csv"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert summary.returncode == 0, summary.stderr
+        table = pl.read_csv(summary.stdout.encode())
+        counts = table.filter(pl.col("metric") == "mean").select(
+            "layer", "signal", "observations"
+        )
+        assert sorted(counts.iter_rows()) == [
+            (layer, signal, len(expected))
+            for layer in (0, 1)
+            for signal in ("output", "output_gradient")
+        ]
+    finally:
+        remove_observer(model)
+
+
+def test_index_md_names_a_0_8_0_reducer_that_failed_and_why(tmp_path: Path) -> None:
+    def needs_real_tensors(tensor: torch.Tensor) -> dict[str, float]:
+        raise RuntimeError("needs the model's own tensors")
+
+    run = tmp_path / "stats"
+    model = mlp()
+    with pytest.warns(FutureWarning):
+        inject_observer(
+            model,
+            output_dir=run,
+            sampler=AlwaysSampler(),
+            reducers=[needs_real_tensors],
+            error_policy="ignore",
+        )
+    train(model, 2)
+    remove_observer(model)
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "needs_real_tensors raised on every probe tensor" in index  # the attach-time note
+    assert '"needs_real_tensors" / "RuntimeError: needs the model\'s own tensors"' in index
+    table = pl.read_parquet(run / "history.parquet")
+    assert table.get_column("value").null_count() == table.height

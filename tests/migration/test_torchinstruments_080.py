@@ -253,3 +253,97 @@ def test_0_8_0s_own_sinks_run_fed_by_ti_core(tmp_path: Path) -> None:
     assert_artifact_dir_conforms(tmp_path / "new")
     converted = pl.read_parquet(tmp_path / "new" / "history.parquet")
     assert sorted(converted["tensor_path"].unique()) == sorted({r["tensor_path"] for r in rows})
+
+
+class _TwoLeaves(torch.nn.Module):
+    def __init__(self, direct_leaves: bool) -> None:
+        super().__init__()
+        self.direct_leaves = direct_leaves
+        self.a = torch.nn.Linear(3, 4)
+        self.b = torch.nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.direct_leaves:
+            return self.b.forward(self.a.forward(x))
+        return self.b(self.a(x))
+
+
+def _entries(history: pl.DataFrame) -> dict[tuple[Any, ...], float]:
+    """``{(forward, layer, signal, call): mean}`` of the measured tensors of a run."""
+    means = history.filter((pl.col("metric") == "mean") & pl.col("value").is_not_null())
+    return {
+        (f, layer, signal, call): value
+        for f, layer, signal, call, value in means.select(
+            "forward_index", "layer", "signal", "call_index", "value"
+        ).iter_rows()
+    }
+
+
+@pytest.mark.parametrize("direct_root", [False, True], ids=["model(x)", "model.forward(x)"])
+@pytest.mark.parametrize("direct_leaves", [False, True], ids=["leaf(x)", "leaf.forward(x)"])
+def test_capture_direct_forwards_records_what_0_8_0_records(
+    tmp_path: Path, direct_root: bool, direct_leaves: bool
+) -> None:
+    got = {}
+    for name, inject, remove in (
+        ("0.8.0", ti08.inject_observer, ti08.remove_observer),
+        ("ti", inject_observer, remove_observer),
+    ):
+        torch.manual_seed(0)
+        model = _TwoLeaves(direct_leaves)
+        sampler = ti08.AlwaysSampler() if name == "0.8.0" else AlwaysSampler()
+        inject(model, output_dir=tmp_path / name, sampler=sampler, capture_direct_forwards=True)
+        for step in range(2):
+            x = torch.randn(2, 3, generator=torch.Generator().manual_seed(step))
+            (model.forward(x) if direct_root else model(x)).sum().backward()
+        remove(model)
+        got[name] = _entries(pl.read_parquet(tmp_path / name / "history.parquet"))
+    assert len(got["0.8.0"]) == 2 * 2 * 2  # 2 forwards x 2 leaves x (output, gradient)
+    assert got["ti"].keys() == got["0.8.0"].keys()
+    for key, value in got["0.8.0"].items():
+        assert got["ti"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("policy", ["warn", "ignore", "raise"])
+def test_a_0_8_0_reducer_that_raises_is_handled_at_the_forward_as_0_8_0_did(
+    tmp_path: Path, policy: str
+) -> None:
+    """Both attach; at the forward both warn ("warn"), stay silent ("ignore") or raise the
+    reducer's own error ("raise")."""
+
+    def broken(tensor: torch.Tensor) -> dict[str, float]:
+        raise RuntimeError("needs 4 features")
+
+    outcomes = {}
+    for name, inject, remove, defaults in (
+        ("0.8.0", ti08.inject_observer, ti08.remove_observer, ti08.default_reducers()),
+        ("ti", inject_observer, remove_observer, ()),
+    ):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+        sampler = ti08.AlwaysSampler() if name == "0.8.0" else AlwaysSampler()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # ti's adaptation notice
+            inject(
+                model,
+                output_dir=tmp_path / name,
+                sampler=sampler,
+                reducers=(*defaults, broken),
+                error_policy=policy,
+            )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                for _ in range(3):
+                    model(torch.randn(2, 3)).sum().backward()
+                raised = None
+            except RuntimeError as error:
+                raised = str(error)
+            remove(model)
+        warned = any("needs 4 features" in str(w.message) for w in caught)
+        outcomes[name] = (raised, warned)
+    assert outcomes["ti"] == outcomes["0.8.0"]
+    assert outcomes["ti"] == {
+        "warn": (None, True),
+        "ignore": (None, False),
+        "raise": ("needs 4 features", False),
+    }[policy]

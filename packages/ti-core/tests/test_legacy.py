@@ -186,12 +186,112 @@ def test_a_callable_that_is_no_0_8_0_reducer_is_refused_naming_the_new_form() ->
     with pytest.raises(TypeError, match=r"not a dict of metric names.*Reducer\('name', fn\)"):
         inject_observer(model, output_dir=None, sink=MemorySink(), reducers=[lambda t: t.sum()])
 
-    def needs_4d(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"channels": tensor.mean(dim=(0, 2, 3))[0]}
-
-    with pytest.raises(TypeError, match="probe tensor"):
-        inject_observer(model, output_dir=None, sink=MemorySink(), reducers=[needs_4d])
     assert observer_of(model) is None
+
+
+def test_a_0_8_0_reducer_for_convolution_maps_learns_its_names_from_a_4d_probe() -> None:
+    def first_channel_mean(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"channel0_mean": tensor.mean(dim=(0, 2, 3))[0]}  # needs (N, C, H, W)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU())
+    sink = MemorySink()
+    with pytest.warns(FutureWarning):
+        inject_observer(
+            model,
+            output_dir=None,
+            sink=sink,
+            sampler=AlwaysSampler(),
+            reducers=[first_channel_mean],
+        )
+    x = torch.randn(2, 2, 6, 6)
+    with torch.no_grad():
+        want = model[0](x)[:, 0].double().mean().item()
+    model(x)
+    remove_observer(model)
+    got = [
+        r["value"]
+        for r in sink.table().to_pylist()
+        if r["layer"] == "0" and r["metric"] == "channel0_mean"
+    ]
+    assert got == [pytest.approx(want, rel=1e-5)]
+
+
+def _always_broken(tensor: torch.Tensor) -> dict[str, float]:
+    raise RuntimeError("needs the model's own tensors")
+
+
+@pytest.mark.parametrize("policy", ["warn", "ignore", "raise"])
+def test_a_0_8_0_reducer_that_raises_attaches_and_fails_at_the_forward_by_policy(
+    policy: str,
+) -> None:
+    """As 0.8.0 did: attach under every policy; at the forward "warn" warns once, "ignore"
+    stays silent (the metric's rows unavailable, the reducer's error as the reason), "raise"
+    raises the reducer's own error from that forward. (index.md: tests/test_io_e2e.py.)"""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    sink = MemorySink()
+    with pytest.warns(FutureWarning):
+        inject_observer(
+            model,
+            output_dir=None,
+            sink=sink,
+            sampler=AlwaysSampler(),
+            reducers=[*default_reducers(), _always_broken],
+            error_policy=policy,
+        )
+    assert sink.run is not None
+    assert sink.run.metrics[-1] == "_always_broken"
+    note = sink.run.settings["reducers[1]"]
+    assert "_always_broken raised on every probe tensor" in note
+    assert "RuntimeError: needs the model's own tensors" in note
+    x = torch.randn(3, 2)
+    if policy == "raise":
+        with pytest.raises(RuntimeError, match="needs the model's own tensors"):
+            for _ in range(3):  # reduction may run behind the forward: raised by a next one
+                model(x).sum().backward()
+        remove_observer(model)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(x).sum().backward()
+        remove_observer(model)
+    telemetry = [w for w in caught if issubclass(w.category, TelemetryWarning)]
+    assert len(telemetry) == (1 if policy == "warn" else 0)
+    if telemetry:
+        assert "needs the model's own tensors" in str(telemetry[0].message)
+    table = sink.table().to_pylist()
+    broken = [r for r in table if r["metric"] == "_always_broken"]
+    assert len(broken) == 3 * 2 * 2  # every sampled tensor, outputs and gradients
+    assert all(r["value"] is None for r in broken)
+    assert {r["unavailable_reason"] for r in broken} == {
+        "RuntimeError: needs the model's own tensors"
+    }
+    assert all(r["value"] is not None for r in table if r["metric"] == "mean")
+
+
+def test_a_0_8_0_reducer_that_fails_only_on_the_probes_says_why_its_metrics_are_missing() -> None:
+    def wide_only(tensor: torch.Tensor) -> dict[str, float]:
+        if tensor.shape[-1] != 5:
+            raise ValueError("expects 5 features")
+        return {"f0": float(tensor[..., 0].mean())}
+
+    model = nn.Sequential(nn.Linear(3, 5))
+    sink = MemorySink()
+    with pytest.warns(FutureWarning):
+        inject_observer(
+            model, output_dir=None, sink=sink, sampler=AlwaysSampler(), reducers=[wide_only]
+        )
+    assert sink.run is not None
+    assert sink.run.metrics == ("wide_only",)
+    assert "ValueError: expects 5 features" in sink.run.settings["reducers[0]"]
+    with pytest.warns(TelemetryWarning):
+        model(torch.randn(2, 3))
+    remove_observer(model)
+    (row,) = [r for r in sink.table().to_pylist() if r["signal"] == "output"]
+    assert row["value"] is None
+    assert "returned metrics ['f0']" in row["unavailable_reason"]
+    assert "raised on every probe tensor" in row["unavailable_reason"]
 
 
 def test_a_0_8_0_sink_receives_0_8_0_records() -> None:

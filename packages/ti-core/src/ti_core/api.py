@@ -254,9 +254,8 @@ def inject_observer(
     check_compiled_model(model)
     target = unwrap_model(model)
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
-    plan = ReductionPlan(
-        default_reducers() if reducers is None else legacy.adapt_reducers(reducers)
-    )
+    adapted = legacy.adapt_reducers(default_reducers() if reducers is None else reducers)
+    plan = ReductionPlan(adapted.reducers)
     sinks = _resolve_sinks(output_dir, legacy.adapt_sinks(sink, selection.modules))
     capabilities = read_capabilities(sinks)  # TypeError for a malformed one, before any opens
     ranks = resolve.select_rank(policy)
@@ -283,6 +282,7 @@ def inject_observer(
             "selector": repr(selector) if selector is not None else "leaf_modules()",
             "rank_policy": repr(rank_policy),
             "signals": ",".join(chosen_signals),
+            **adapted.notes,
             **(
                 {"update_budget_bytes": str(update_budget_bytes)}
                 if "parameter_update" in chosen_signals

@@ -6,9 +6,11 @@ working here, with one ``FutureWarning`` per adapted object naming today's form:
 - a **reducer** is a callable ``reducer(tensor) -> {metric_name: value}`` (values: numbers,
   bools or one-element tensors; several metrics per call). Today a custom metric is
   ``Reducer(name, fn)`` with ``fn(tensor)`` returning one number. :func:`adapt_reducers` learns
-  the metric names by calling the old reducer once on a small probe tensor at
-  ``inject_observer`` and turns it into one ``Reducer`` per name (the reducer still runs once
-  per measured tensor; its result is shared by those ``Reducer`` objects).
+  the metric names by calling the old reducer on small probe tensors at ``inject_observer``
+  (:data:`PROBE_SHAPES`, until one call succeeds) and turns it into one ``Reducer`` per name
+  (the reducer still runs once per measured tensor; its result is shared by those ``Reducer``
+  objects). One that raises on every probe is still attached, as one metric named after it:
+  its errors at the forward go through ``error_policy`` like any reducer's.
 - a **sink** has ``initialize(run, modules)``, ``observe(sample)`` and ``close()`` and receives
   the 0.8.0 records (``RunRecord``, ``ModuleRecord``, ``SampleRecord`` ...). Today a sink
   implements :class:`ti_core.Sink` and receives Arrow record batches. :class:`LegacySink`
@@ -212,34 +214,58 @@ def is_legacy_reducer(item: object) -> bool:
     return callable(item) and not isinstance(item, type | DefaultProfile | Reducer)
 
 
-_PROBE_SHAPE: Final[tuple[int, int]] = (4, 4)
+PROBE_SHAPES: Final[tuple[tuple[int, ...], ...]] = ((4, 4), (2, 16), (2, 3, 8, 8), (2, 8, 16), (64,))
+"""The float32 tensors a 0.8.0 reducer is called on at ``inject_observer`` to learn its metric
+names, in order until one call succeeds: a matrix, then the shapes of typical outputs
+(features, convolution maps, sequences, a vector), for reducers that need a given rank."""
 
 
-def _probe(reducer: Callable[[torch.Tensor], Any], where: str) -> tuple[str, ...]:
-    """The metric names ``reducer`` returns for a small float32 tensor."""
-    probe = torch.linspace(-1.0, 1.0, math.prod(_PROBE_SHAPE)).reshape(_PROBE_SHAPE)
-    try:
-        with torch.no_grad():
-            result = reducer(probe)
-    except Exception as exc:
-        raise TypeError(
-            f"{where}: {reducer!r} looks like a torchinstruments 0.8.0 reducer, but calling it "
-            f"on a {_PROBE_SHAPE[0]}x{_PROBE_SHAPE[1]} float32 probe tensor (to learn its metric "
-            f"names) raised {type(exc).__name__}: {exc}; write one Reducer(name, fn) per metric "
-            "instead (from ti_core import Reducer)"
-        ) from exc
-    if not isinstance(result, Mapping) or not result:
-        raise TypeError(
-            f"{where}: {reducer!r} returned {type(result).__name__}, not a dict of metric names "
-            "as a torchinstruments 0.8.0 reducer does; for one metric pass "
-            "Reducer('name', fn) (from ti_core import Reducer)"
-        )
-    bad = [key for key in result if not isinstance(key, str) or not key]
-    if bad:
-        raise TypeError(
-            f"{where}: {reducer!r} returned metric names {bad!r}; use non-empty strings"
-        )
-    return tuple(result)
+@dataclass(frozen=True)
+class LearnedNames:
+    """What the probes taught about a 0.8.0 reducer: its metric names, or why none could be
+    learned (every probe call raised)."""
+
+    names: tuple[str, ...]
+    failure: str | None = None
+    """``"RuntimeError: ..."`` of the first probe when every probe raised; the reducer is then
+    one metric named after it, whose values are its errors until it is fixed."""
+
+
+def _probe(reducer: Callable[[torch.Tensor], Any], where: str) -> LearnedNames:
+    """The metric names ``reducer`` returns for the first probe tensor it accepts.
+
+    A reducer that raises on every probe may still work on the model's real tensors, so that
+    does not refuse it (its failures then go through ``error_policy`` at the forward); a result
+    that is not a dict of names is a reducer of another form, refused with the fix.
+    """
+    failure: str | None = None
+    for shape in PROBE_SHAPES:
+        probe = torch.linspace(-1.0, 1.0, math.prod(shape)).reshape(shape)
+        try:
+            with torch.no_grad():
+                result = reducer(probe)
+        except Exception as exc:
+            failure = failure or f"{type(exc).__name__}: {exc}"
+            continue
+        if not isinstance(result, Mapping) or not result:
+            raise TypeError(
+                f"{where}: {reducer!r} returned {type(result).__name__}, not a dict of metric "
+                "names as a torchinstruments 0.8.0 reducer does; for one metric pass "
+                "Reducer('name', fn) (from ti_core import Reducer)"
+            )
+        bad = [key for key in result if not isinstance(key, str) or not key]
+        if bad:
+            raise TypeError(
+                f"{where}: {reducer!r} returned metric names {bad!r}; use non-empty strings"
+            )
+        return LearnedNames(tuple(result))
+    return LearnedNames((_metric_label(reducer),), failure)
+
+
+def _metric_label(reducer: Callable[[torch.Tensor], Any]) -> str:
+    """The metric name of a reducer whose names could not be learned: its own name."""
+    name = getattr(reducer, "__name__", None) or type(reducer).__name__
+    return str(name) if name and name != "<lambda>" else "legacy_reducer"
 
 
 _MISSING: Final = object()
@@ -249,9 +275,10 @@ class _SharedResult:
     """Runs one 0.8.0 reducer once per tensor and hands each of its metrics to the ``Reducer``
     that reports it (the reduction plan asks metric by metric)."""
 
-    def __init__(self, reducer: Callable[[torch.Tensor], Any], names: tuple[str, ...]) -> None:
+    def __init__(self, reducer: Callable[[torch.Tensor], Any], learned: LearnedNames) -> None:
         self.reducer = reducer
-        self.names = names
+        self.names = learned.names
+        self.probe_failure = learned.failure
         self._lock = threading.Lock()
         # id(tensor) -> (weak ref to it, the result or the exception, metrics still to hand out)
         self._pending: dict[int, tuple[weakref.ref[torch.Tensor], Any, int]] = {}
@@ -285,6 +312,14 @@ class _SharedResult:
         return self._pick(outcome, name)
 
     def _pick(self, result: Any, name: str) -> Any:
+        if self.probe_failure is not None and isinstance(result, Mapping):
+            raise ValueError(
+                f"the torchinstruments 0.8.0 reducer {_label(self.reducer)} returned metrics "
+                f"{sorted(str(k) for k in result)}, but it raised on every probe tensor at "
+                f"inject_observer ({self.probe_failure}), so its metric names are not in this "
+                "run; make it accept a small float32 tensor, or write one Reducer(name, fn) per "
+                "metric (from ti_core import Reducer)"
+            )
         if not isinstance(result, Mapping):
             raise TypeError(
                 f"the torchinstruments 0.8.0 reducer {_label(self.reducer)} returned "
@@ -317,21 +352,38 @@ class _LegacyMetric:
         return self.shared.value(tensor, self.name)
 
 
-def adapt_reducers(reducers: Any) -> Any:
+@dataclass(frozen=True)
+class AdaptedReducers:
+    """``reducers=`` as today's specs, and a note per 0.8.0 reducer whose names the probes could
+    not learn (``RunInfo.settings`` entries, shown in index.md)."""
+
+    reducers: Any
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+def adapt_reducers(reducers: Any) -> AdaptedReducers:
     """``reducers=`` with every 0.8.0 reducer replaced by one ``Reducer`` per metric it returns
     (one FutureWarning each); anything else is returned unchanged for the usual checks."""
     if not isinstance(reducers, Sequence) or isinstance(reducers, str | bytes):
-        return reducers
+        return AdaptedReducers(reducers)
     if not any(is_legacy_reducer(item) for item in reducers):
-        return reducers
+        return AdaptedReducers(reducers)
     adapted: list[Any] = []
+    notes: dict[str, str] = {}
     for i, item in enumerate(reducers):
         if not is_legacy_reducer(item):
             adapted.append(item)
             continue
-        names = _probe(item, f"reducers[{i}]")
-        shared = _SharedResult(item, names)
+        learned = _probe(item, f"reducers[{i}]")
+        names = learned.names
+        shared = _SharedResult(item, learned)
         adapted += [Reducer(name, _LegacyMetric(shared, name)) for name in names]
+        if learned.failure is not None:
+            notes[f"reducers[{i}]"] = (
+                f"torchinstruments 0.8.0 reducer {_label(item)} raised on every probe tensor "
+                f"at inject_observer ({learned.failure}); recorded as metric {names[0]!r}, "
+                "its failures at the forward handled by error_policy"
+            )
         warnings.warn(
             f"reducers[{i}] ({_label(item)}) is a torchinstruments 0.8.0 reducer returning "
             f"{{name: value}} for the metrics {list(names)}; it is adapted, but write one "
@@ -340,7 +392,7 @@ def adapt_reducers(reducers: Any) -> Any:
             FutureWarning,
             stacklevel=_user_stacklevel(),
         )
-    return adapted
+    return AdaptedReducers(adapted, notes)
 
 
 # ------------------------------------------------------------------------------------- sinks
