@@ -347,3 +347,57 @@ def test_a_0_8_0_reducer_that_raises_is_handled_at_the_forward_as_0_8_0_did(
         "ignore": (None, False),
         "raise": ("needs 4 features", False),
     }[policy]
+
+
+class _OwnParameter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bias
+
+
+class _LeafOutputs(torch.nn.Module):
+    """nn.Identity on the (grad-requiring) input, and a module returning its own parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.same = torch.nn.Identity()
+        self.own = _OwnParameter()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = self.lin(self.same(x)) * self.own(x)
+        return result
+
+
+def test_leaf_outputs_get_the_gradient_0_8_0_records(tmp_path: Path) -> None:
+    got = {}
+    for name, inject, remove in (
+        ("0.8.0", ti08.inject_observer, ti08.remove_observer),
+        ("ti", inject_observer, remove_observer),
+    ):
+        torch.manual_seed(0)
+        model = _LeafOutputs()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampler = ti08.AlwaysSampler() if name == "0.8.0" else AlwaysSampler()
+        inject(model, output_dir=tmp_path / name, sampler=sampler)
+        for step in range(3):
+            x = torch.randn(2, 3, generator=torch.Generator().manual_seed(step))
+            x.requires_grad_()
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+        remove(model)
+        got[name] = _entries(pl.read_parquet(tmp_path / name / "history.parquet"))
+        assert not model.own.bias._backward_hooks
+    leaf_gradients = {k for k in got["0.8.0"] if k[1] in ("same", "own") and "grad" in k[2]}
+    assert len(leaf_gradients) == 3 * 2  # three steps, two leaf outputs
+    assert got["ti"].keys() == got["0.8.0"].keys()
+    for key, value in got["0.8.0"].items():
+        assert got["ti"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    histograms = pl.read_parquet(tmp_path / "ti" / "histograms.parquet")
+    assert {"same", "own"} <= set(
+        histograms.filter(pl.col("signal") == "output_gradient").get_column("layer")
+    )

@@ -14,8 +14,15 @@ from _core_helpers import assert_matches, reference, rows, stats
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ti_core import AlwaysSampler, MemorySink, inject_observer, observe, remove_observer
-from ti_core.capture.gradients import GradientState
+from ti_core import (
+    AlwaysSampler,
+    EveryNForwardsSampler,
+    MemorySink,
+    inject_observer,
+    observe,
+    remove_observer,
+)
+from ti_core.capture.gradients import LEAF_SHARED_REASON, GradientState
 from ti_schema.testing import assert_history_conforms
 
 
@@ -275,17 +282,99 @@ def test_reentrant_checkpointing_records_a_gap_never_wrong_numbers() -> None:
     assert gaps == {(s, layer) for s in (0, 1) for layer in inner}
 
 
-def test_leaf_output_records_a_gradient_gap() -> None:
+def test_a_leaf_output_records_its_gradient_and_its_hook_goes() -> None:
+    """nn.Identity on an input that requires grad returns that leaf: its gradient is the
+    output gradient (0.8.0 recorded it too), histogram included; the hook on the leaf is
+    removed after its backward."""
     model = nn.Sequential(nn.Identity(), nn.Linear(2, 2))
     x = torch.randn(3, 2, requires_grad=True)
     sink = MemorySink()
     with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
-        model(x).sum().backward()
+        model(x).pow(2).sum().backward()
+        assert not x._backward_hooks  # answered: removed at once, not at removal
     table = sink.table()
     assert_history_conforms(table)
-    gap = rows(table, layer="0", signal="output_gradient")
-    assert len(gap) == 9
-    assert all(r["value"] is None and "leaf tensor" in r["unavailable_reason"] for r in gap)
-    assert_matches(stats(table, layer="1", signal="output_gradient"), reference(np.ones((3, 2))))
     assert x.grad is not None
-    assert not x._backward_hooks
+    assert_matches(
+        stats(table, layer="0", signal="output_gradient"), reference(x.grad.numpy())
+    )
+    histograms = sink.histograms().to_pylist()
+    assert {(h["layer"], h["signal"]) for h in histograms} >= {("0", "output_gradient")}
+
+
+class ReturnsItsParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(2))
+
+    def forward(self) -> torch.Tensor:
+        return self.bias
+
+
+class WithLeaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.shift = ReturnsItsParameter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.shift()
+
+
+def test_a_module_returning_its_parameter_records_that_steps_gradient() -> None:
+    torch.manual_seed(0)
+    model = WithLeaf()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = MemorySink()
+    grads = []
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 2)).sum().backward()
+            assert model.shift.bias.grad is not None
+            grads.append(model.shift.bias.grad.clone())
+            opt.step()
+    assert not model.shift.bias._backward_hooks
+    table = sink.table()
+    for forward_index, grad in enumerate(grads):
+        assert_matches(
+            stats(table, forward_index=forward_index, layer="shift", signal="output_gradient"),
+            reference(grad.numpy()),
+        )
+
+
+def test_a_leaf_shared_by_several_forwards_before_one_backward_is_an_honest_null() -> None:
+    """Two forwards, one backward: the parameter's gradient sums both, so neither forward's
+    row holds it; nor does a sampled forward's when an unsampled one ran before the backward."""
+    torch.manual_seed(0)
+    model = WithLeaf()
+    sink = MemorySink()
+    with observe(model, output_dir=None, sink=sink, sampler=AlwaysSampler()):
+        (model(torch.randn(4, 2)) + model(torch.randn(4, 2))).sum().backward()
+    rows_ = rows(sink.table(), layer="shift", signal="output_gradient")
+    assert {r["forward_index"] for r in rows_} == {0, 1}
+    assert all(r["value"] is None for r in rows_)
+    assert {r["unavailable_reason"] for r in rows_} == {LEAF_SHARED_REASON}
+    assert_history_conforms(sink.table())
+    assert not model.shift.bias._backward_hooks
+
+    sink = MemorySink()
+    with observe(model, output_dir=None, sink=sink, sampler=EveryNForwardsSampler(2)):
+        (model(torch.randn(4, 2)) + model(torch.randn(4, 2))).sum().backward()
+    rows_ = rows(sink.table(), layer="shift", signal="output_gradient")
+    assert {r["forward_index"] for r in rows_} == {0}
+    assert all(r["value"] is None for r in rows_)
+    assert {r["unavailable_reason"] for r in rows_} == {LEAF_SHARED_REASON}
+    lin = rows(sink.table(), layer="lin", signal="output_gradient")
+    assert lin and all(r["value"] is not None for r in lin)  # non-leaf outputs: exact
+
+
+def test_a_leaf_hook_whose_backward_never_comes_is_removed_with_the_observer() -> None:
+    model = WithLeaf()
+    sink = MemorySink()
+    inject_observer(model, output_dir=None, sink=sink, sampler=AlwaysSampler())
+    for _ in range(3):  # forwards with grad enabled and no backward: one pending hook at most
+        model(torch.randn(4, 2))
+        assert len(model.shift.bias._backward_hooks) == 1
+    remove_observer(model)
+    assert not model.shift.bias._backward_hooks

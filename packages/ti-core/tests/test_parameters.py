@@ -34,7 +34,6 @@ from ti_core.capture.parameter_gradients import (
     GRADIENT_NONE_REASON,
     GRADIENT_REENTRANT_REASON,
 )
-from ti_core.capture.sample import LEAF_REASON
 from ti_core.capture.updates import NO_OPTIMIZER_REASON, REMOVED_REASON
 from ti_schema import PARAMETER_SIGNALS, SIGNALS, validate_histograms, validate_history
 
@@ -269,7 +268,7 @@ def test_default_signals_record_no_parameter_and_install_no_optimizer_hook() -> 
 
 def _output_rows(signals: tuple[str, ...]) -> dict[tuple[Any, ...], Any]:
     """Rows of three sampled steps of a model whose Identity returns its (grad-requiring)
-    input: a leaf output, so its gradient rows are unavailable with a reason (a gap)."""
+    input: a leaf output, whose gradient is hooked on the leaf itself."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Identity(), nn.Linear(4, 3), nn.Tanh())
     sink = MemorySink()
@@ -292,11 +291,12 @@ def _output_rows(signals: tuple[str, ...]) -> dict[tuple[Any, ...], Any]:
 
 @pytest.mark.parametrize("signal", ["output", "output_gradient"])
 def test_one_output_signal_alone_gives_exactly_its_rows_of_the_default_pair(signal: str) -> None:
-    """``signals=("output_gradient",)`` still derives the gradients' rows (and the leaf
-    output's unavailable rows) from the forward's outputs without writing those;
-    ``("output",)`` hooks no gradient."""
+    """``signals=("output_gradient",)`` still derives the gradients' rows (the leaf output's
+    included) from the forward's outputs without writing those; ``("output",)`` hooks no
+    gradient."""
     both = _output_rows(("output", "output_gradient"))
-    assert any(v[2] == LEAF_REASON for k, v in both.items() if k[1] == "output_gradient")
+    leaf = [v for k, v in both.items() if k[1] == "output_gradient" and k[2] == "0"]
+    assert leaf and all(v[0] is not None for v in leaf)
     alone = _output_rows((signal,))
     assert alone
     assert alone == {k: v for k, v in both.items() if k[1] == signal}

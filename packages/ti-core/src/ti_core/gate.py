@@ -145,6 +145,7 @@ class Gate:
         self._lock = threading.Lock()
         self._local = _ThreadState()
         self._counter = itertools.count()
+        self._latest = -1  # index of the latest root forward started, on any thread
         self._samples = 0
         self._in_flight = 0
         # Every hook this gate installed, as the function that removes it exactly.
@@ -188,6 +189,11 @@ class Gate:
     def current_sample(self) -> Sample | None:
         """The sample of the root forward running on this thread, if it is sampled."""
         return self._local.sample
+
+    @property
+    def latest_forward(self) -> int:
+        """Index of the latest root forward that started (-1 before the first)."""
+        return self._latest
 
     @property
     def depth(self) -> int:
@@ -328,6 +334,7 @@ class Gate:
             else:
                 index = next(self._counter)
                 sampled = bool(self._sampler.should_sample(index))
+            self._latest = index
             self._flags.sampled = sampled  # what a compiled frame run next specializes on
             if not sampled:
                 if self._state is _CAPTURING and not self._in_flight:
@@ -473,6 +480,7 @@ class Gate:
             self._errors.report_deferred()
         try:
             index, sampled = self._take_ahead()
+            self._latest = index
             if sampled:
                 self._start_sample(self._local, index)
         except Exception as error:

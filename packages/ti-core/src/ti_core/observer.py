@@ -18,10 +18,10 @@ from collections.abc import Collection, Sequence
 from torch import nn
 
 from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, StructureMemo, TensorBatch
-from ti_core.capture.gradients import GradientState, GradientTarget
+from ti_core.capture.gradients import GradientState, GradientTarget, LeafHooks
 from ti_core.capture.parameter_target import ParameterTarget
 from ti_core.capture.parameters import ParameterCapture
-from ti_core.capture.sample import Sample, as_gaps
+from ti_core.capture.sample import Gaps, Sample, as_gaps
 from ti_core.capture.snapshots import SnapshotPool
 from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.emission.emitters import BackgroundEmitter, Emitter, InlineEmitter
@@ -29,7 +29,7 @@ from ti_core.emission.sinks import SinkFanout
 from ti_core.emission.writer import EndedSignal, SignalWriter
 from ti_core.errors import ErrorPolicy
 from ti_core.gate import Gate, GateState
-from ti_core.records import Entry, RunColumns, SignalName
+from ti_core.records import Entries, Entry, RunColumns, SignalName
 from ti_core.reduction.plan import ReductionPlan
 from ti_core.sampling import Sampler
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
@@ -61,6 +61,7 @@ class Observer:
         self.signals = frozenset(signals)
         """The signals this observer records (``inject_observer(signals=)``)."""
         self._errors = errors
+        self._leaf_hooks = LeafHooks()
         self._plan = plan
         self._focus = frozenset(focus)
         self._pool = SnapshotPool()
@@ -148,6 +149,7 @@ class Observer:
         """Remove every hook and override, write what is queued, close every sink once;
         return the close failures (for the caller to report once the model is clean)."""
         self.gate.close()
+        self._leaf_hooks.close()
         if self.parameters is not None:
             for window, gaps in self.parameters.flush():
                 self._emit_parameters(
@@ -208,11 +210,26 @@ class Observer:
     def new_batch(self) -> TensorBatch:
         return TensorBatch(self._plan, self._focus, pool=self._pool, memo=self._memo)
 
-    def finish_gradients(self, state: GradientState, batch: TensorBatch) -> None:
+    @property
+    def leaf_hooks(self) -> LeafHooks:
+        return self._leaf_hooks
+
+    def forward_started_since(self, forward_index: int) -> bool:
+        return self.gate.latest_forward > forward_index
+
+    def finish_gradients(
+        self, state: GradientState, batch: TensorBatch, gaps: Entries | None, reasons: list[str]
+    ) -> None:
         """End of a backward that reached ``state``'s sample (autograd engine callback)."""
         try:
+            missing = None
+            if gaps is not None:
+                missing = Gaps()
+                missing.entries, missing.reasons = gaps, reasons
             self._emitter.emit(
-                EndedSignal("output_gradient", state.sample_id, state.forward_index, batch)
+                EndedSignal(
+                    "output_gradient", state.sample_id, state.forward_index, batch, missing
+                )
             )
         except Exception as error:
             self._errors.handle("gradient emission", error)

@@ -5,20 +5,36 @@ Ownership: a :class:`GradientState` belongs to one sample and is held only by th
 returns, by the sample. It holds its :class:`GradientTarget` weakly, so a forward whose backward
 never comes leaks nothing once its graph is freed, and a graph kept after removal does not keep
 the observer alive.
+
+A leaf output (an input that requires grad, or a parameter, returned unchanged) has no graph of
+its own to die with: its hook lives on the tensor. The observer's :class:`LeafHooks` keeps each
+one's handle and removes it after the first backward that reaches it, when a later sampled
+forward returns the same leaf, or at removal. Its gradient is that forward's output gradient
+only when no other root forward ran before the backward (a parameter sums the gradients of
+every forward that used it): otherwise the row is unavailable, with the reason.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Protocol
+from typing import Final, Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ti_core.capture.batch import Row, TensorBatch
 from ti_core.capture.context import now_us
 from ti_core.capture.hooks import HookObject
 from ti_core.errors import ErrorPolicy
+from ti_core.records import Entries, Entry
+from ti_core.reduction.support import dtype_name
+
+LEAF_SHARED_REASON: Final[str] = (
+    "gradient not captured: the output is a leaf tensor (an input or parameter returned "
+    "unchanged) that another root forward used before this backward, so its gradient is not "
+    "this forward's alone"
+)
 
 
 class GradientTarget(Protocol):
@@ -36,8 +52,20 @@ class GradientTarget(Protocol):
         """An empty batch for one backward's gradients of one sample."""
         ...
 
-    def finish_gradients(self, state: GradientState, batch: TensorBatch) -> None:
-        """A backward that delivered ``batch`` to ``state``'s sample ended: emit it."""
+    @property
+    def leaf_hooks(self) -> LeafHooks:
+        """The hooks on leaf outputs (which outlive the sample's graph)."""
+        ...
+
+    def forward_started_since(self, forward_index: int) -> bool:
+        """Whether a root forward after ``forward_index`` has started (on any thread)."""
+        ...
+
+    def finish_gradients(
+        self, state: GradientState, batch: TensorBatch, gaps: Entries | None, reasons: list[str]
+    ) -> None:
+        """A backward that delivered ``batch`` to ``state``'s sample ended: emit it, and
+        ``gaps`` (entries whose gradient came but is not theirs alone, with ``reasons``)."""
         ...
 
 
@@ -55,6 +83,8 @@ class GradientState:
         "batch",
         "entries",
         "forward_index",
+        "gap_entries",
+        "gap_reasons",
         "hooked",
         "lock",
         "queued",
@@ -75,6 +105,8 @@ class GradientState:
         self.entries = entries
         """The sample's forward rows (read only here; the gradient rows take their identity)."""
         self.batch: TensorBatch | None = None
+        self.gap_entries: Entries | None = None
+        self.gap_reasons: list[str] = []
         self.queued = False
         self.lock = threading.Lock()
         self.hooked: dict[int, GradHook] = {}
@@ -89,6 +121,21 @@ class GradientState:
         hook = GradHook(self, row)
         tensor.register_hook(hook)  # type: ignore[no-untyped-call]
         self.hooked[slot] = hook
+
+    def watch_leaf(self, row: int, slot: int, tensor: torch.Tensor) -> None:
+        """Forward entry ``row`` measured ``tensor``, a leaf that requires grad: hook its
+        gradient once per slot, the handle kept by the target's :class:`LeafHooks`."""
+        hook = self.hooked.get(slot)
+        if hook is not None:
+            hook.rows.append(row)
+            return
+        target = self.target_ref()
+        if target is None:
+            return
+        hook = GradHook(self, row, leaf=True)
+        handle = tensor.register_hook(hook)  # type: ignore[no-untyped-call]
+        self.hooked[slot] = hook
+        target.leaf_hooks.add(tensor, hook, handle)
 
     def forward_done(self) -> None:
         """The sampled forward returned: no more hooks will be registered."""
@@ -105,32 +152,75 @@ class GradientState:
                 if done == len(rows):  # a later backward through the same graph
                     return
                 hook.recorded = len(rows)
-                if self.batch is None:
-                    self.batch = target.new_batch()
-                self.batch.add_derived(grad, self.entries, rows[done:] if done else rows, now_us())
+                fresh = rows[done:] if done else rows
+                if hook.leaf:
+                    target.leaf_hooks.discard(hook)  # its one backward: the hook goes
+                if hook.leaf and (
+                    hook.shared or target.forward_started_since(self.forward_index)
+                ):
+                    self._add_gaps(fresh, grad, LEAF_SHARED_REASON)
+                else:
+                    if self.batch is None:
+                        self.batch = target.new_batch()
+                    self.batch.add_derived(grad, self.entries, fresh, now_us())
                 if not self.queued:
                     torch.autograd.Variable._execution_engine.queue_callback(self.flush)
                     self.queued = True
         except Exception as error:
             target.errors.handle("gradient capture", error)
 
+    def _add_gaps(self, rows: list[int], tensor: torch.Tensor, reason: str) -> None:
+        """Forward entries ``rows`` (which measured ``tensor``) get an unavailable gradient row
+        for ``reason`` (call under ``lock``)."""
+        if self.gap_entries is None:
+            self.gap_entries = Entries()
+        shape, dtype, stamp = tuple(tensor.shape), dtype_name(tensor.dtype), now_us()
+        for row in rows:
+            layer, call_index, path, train, grad_enabled, _ = self.entries[row]
+            self.gap_entries.append(
+                Entry(layer, call_index, path, train, grad_enabled, shape, dtype, stamp)
+            )
+            self.gap_reasons.append(reason)
+
     def flush(self) -> None:
         """End of a backward: emit the gradients it delivered to this sample."""
         with self.lock:
             batch, self.batch, self.queued = self.batch, None, False
+            gaps, self.gap_entries = self.gap_entries, None
+            reasons, self.gap_reasons = self.gap_reasons, []
         target = self.target_ref()
-        if target is None or target.closed or batch is None:
+        if target is None or target.closed or (batch is None and gaps is None):
             return
-        target.finish_gradients(self, batch)
+        if batch is None:
+            batch = target.new_batch()
+        target.finish_gradients(self, batch, gaps, reasons)
+
+    def unanswered(self, hook: GradHook, leaf: torch.Tensor) -> None:
+        """``hook``'s ``leaf`` was returned again by a later sampled forward before a backward
+        reached it: its entries get the reason instead of a gradient, emitted now."""
+        with self.lock:
+            if hook.recorded == len(hook.rows):
+                return
+            fresh = hook.rows[hook.recorded :]
+            hook.recorded = len(hook.rows)
+            self._add_gaps(fresh, leaf, LEAF_SHARED_REASON)
+            if self.queued:  # a backward is running: its flush emits the gaps
+                return
+        self.flush()
 
 
 class GradHook(HookObject):
     """Tensor hook bound to (sample, call, tensor_path) entries; never changes the gradient."""
 
-    __slots__ = ("recorded", "rows", "state")
+    __slots__ = ("__weakref__", "leaf", "recorded", "rows", "shared", "state")
 
-    def __init__(self, state: GradientState, row: int) -> None:
+    def __init__(self, state: GradientState, row: int, *, leaf: bool = False) -> None:
         self.state = state
+        self.leaf = leaf
+        """Whether the hooked tensor is a leaf (its hook outlives the sample's graph)."""
+        self.shared = False
+        """A leaf that an earlier sampled forward returned too, before any backward reached
+        it: one backward would sum both forwards' gradients."""
         self.rows = [row]
         """The forward entries (indices into the sample's forward rows) this gradient answers."""
         self.recorded = 0
@@ -141,4 +231,56 @@ class GradHook(HookObject):
             self.state.receive(self, grad)
 
 
-__all__ = ["GradHook", "GradientState", "GradientTarget"]
+class LeafHooks:
+    """The pending hooks on leaf outputs of one observer: at most one per leaf tensor.
+
+    Ownership: the observer's; each hook is removed after its first backward, when a later
+    sampled forward hooks the same tensor (whose gradient would then mix both forwards), when
+    the tensor is freed, or at :meth:`close` (``remove_observer``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # id(tensor) -> (the tensor, weakly; its pending hook; the hook's handle)
+        self._pending: dict[int, tuple[weakref.ref[torch.Tensor], GradHook, RemovableHandle]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, tensor: torch.Tensor, hook: GradHook, handle: RemovableHandle) -> None:
+        key = id(tensor)
+
+        def forget(_: object, key: int = key) -> None:
+            with self._lock:
+                entry = self._pending.get(key)
+                if entry is not None and entry[0]() is None:
+                    del self._pending[key]
+
+        with self._lock:
+            replaced = self._pending.get(key)
+            if replaced is not None and replaced[0]() is not tensor:
+                replaced = None
+            self._pending[key] = (weakref.ref(tensor, forget), hook, handle)
+        if replaced is not None:
+            hook.shared = True
+            replaced[2].remove()
+            replaced[1].state.unanswered(replaced[1], tensor)
+
+    def discard(self, hook: GradHook) -> None:
+        """Remove ``hook`` (it answered its backward)."""
+        with self._lock:
+            for key, (_, pending, handle) in list(self._pending.items()):
+                if pending is hook:
+                    del self._pending[key]
+                    handle.remove()
+                    return
+
+    def close(self) -> None:
+        """Remove every pending hook."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for _, _, handle in pending.values():
+            handle.remove()
+
+
+__all__ = ["LEAF_SHARED_REASON", "GradHook", "GradientState", "GradientTarget", "LeafHooks"]

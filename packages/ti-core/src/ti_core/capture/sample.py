@@ -27,6 +27,8 @@ LEAF_REASON: Final[str] = (
     "gradient not captured: the output is a leaf tensor (the module returned an input or "
     "parameter unchanged)"
 )
+"""In compiled graphs, which hook gradients inside the graph: a leaf has none there. Eager
+capture hooks the leaf itself (:meth:`GradientState.watch_leaf`)."""
 REENTRANT_REASON: Final[str] = (
     "gradient not captured: reentrant activation checkpoint "
     "(use torch.utils.checkpoint(..., use_reentrant=False))"
@@ -149,15 +151,15 @@ class Sample:
             if not tensor.requires_grad:
                 return
             row = len(forward.rows) - 1
-            if tensor.is_leaf:  # requires grad without a grad_fn: nothing to hook
-                self.gaps.add(forward.entry(row), LEAF_REASON)
-                return
             gradients = self.gradients
             if gradients is None:
                 gradients = self.gradients = GradientState(
                     self.target, self.sample_id, self.forward_index, forward.rows
                 )
-            gradients.watch(row, slot, tensor)
+            if tensor.is_leaf:  # requires grad without a grad_fn: its hook lives on the tensor
+                gradients.watch_leaf(row, slot, tensor)
+            else:
+                gradients.watch(row, slot, tensor)
         elif (tensor.is_floating_point() or tensor.is_complex()) and in_reentrant_checkpoint():
             self.gaps.add(forward.entry(len(forward.rows) - 1), REENTRANT_REASON)
 
