@@ -30,7 +30,7 @@ from ti_schema.testing import assert_artifact_dir_conforms
 
 LAYERS = 3  # the child's leaf modules
 ROWS_PER_STEP = LAYERS * 2 * len(DEFAULT_METRICS)  # outputs and output gradients
-BUFFER_ROWS = 3 * ROWS_PER_STEP  # a part every three steps: some published, some buffered
+PART_STEPS = 3  # a part every three steps (by flush): some published, some buffered
 
 CHILD = textwrap.dedent(
     """
@@ -40,7 +40,7 @@ CHILD = textwrap.dedent(
     from ti_core import AlwaysSampler, inject_observer
     from ti_io import DirectorySink, HistoryConfig
 
-    out, mode, buffer_rows, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    out, mode, part_steps, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     if mode == "user-handler":  # the program's own handler, installed before the observer
         def on_term(signum, frame):
             with open(f"{out}.handler", "w") as note:
@@ -50,7 +50,9 @@ CHILD = textwrap.dedent(
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-    sink = DirectorySink(out, history_config=HistoryConfig(buffer_rows=buffer_rows))
+    # Parts only when the loop flushes (no clock), so the rows of the last steps stay buffered
+    # until the signal.
+    sink = DirectorySink(out, history_config=HistoryConfig(flush_seconds=None))
     inject_observer(model, sink=sink, sampler=AlwaysSampler())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     step = 0
@@ -61,6 +63,8 @@ CHILD = textwrap.dedent(
             model(x).pow(2).mean().backward()
             opt.step()
             step += 1
+            if step % part_steps == 0:
+                sink.flush()
             print(step, flush=True)
         elif mode == "exit":
             break  # no remove_observer: the interpreter exits with the observer attached
@@ -105,7 +109,7 @@ def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ended]:
     base = tmp_path_factory.mktemp("preempted")
     children = {
         mode: subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(base / mode), mode, str(BUFFER_ROWS), str(n)],
+            [sys.executable, "-c", CHILD, str(base / mode), mode, str(PART_STEPS), str(n)],
             stdout=subprocess.PIPE,
             text=True,
         )

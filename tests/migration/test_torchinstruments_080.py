@@ -401,3 +401,43 @@ def test_leaf_outputs_get_the_gradient_0_8_0_records(tmp_path: Path) -> None:
     assert {"same", "own"} <= set(
         histograms.filter(pl.col("signal") == "output_gradient").get_column("layer")
     )
+
+
+def test_live_parts_hold_what_0_8_0_published_per_event_within_seconds(tmp_path: Path) -> None:
+    """0.8.0 published a part after each sampled forward and each backward (9 parts, 72 rows
+    after four steps of nn.Identity, as docs/migration.md says); here the same entries are in
+    history.parts/ seconds later, coalesced into fewer parts, with no further step."""
+    import time
+
+    def steps(model: torch.nn.Module) -> None:
+        for step in range(4):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+            model(x.requires_grad_()).sum().backward()
+
+    old_model = torch.nn.Sequential(torch.nn.Identity())
+    ti08.inject_observer(old_model, output_dir=tmp_path / "old", sampler=ti08.AlwaysSampler())
+    steps(old_model)
+    old_parts = sorted((tmp_path / "old" / "history.parts").glob("*.parquet"))
+    old = pl.concat([pl.read_parquet(p) for p in old_parts])
+    assert len([p for p in old_parts if pl.read_parquet(p).height]) == 8  # + one empty at attach
+    assert old.height == 72
+    ti08.remove_observer(old_model)
+
+    model = torch.nn.Sequential(torch.nn.Identity())
+    inject_observer(model, output_dir=tmp_path / "new", sampler=AlwaysSampler())
+    try:
+        steps(model)
+        want = set(old.select("forward_index", "signal").unique().iter_rows())
+        deadline = time.monotonic() + 30  # a deadlock guard; the clock publishes after 1 s
+        while True:
+            parts = sorted((tmp_path / "new" / "history.parts").glob("part-*.parquet"))
+            live = pl.concat([pl.read_parquet(p) for p in parts]) if parts else None
+            if live is not None and set(
+                live.select("forward_index", "signal").unique().iter_rows()
+            ) >= want:
+                break
+            assert time.monotonic() < deadline, "the live rows never appeared"
+            time.sleep(0.05)
+        assert len(parts) < len(old_parts)
+    finally:
+        remove_observer(model)
