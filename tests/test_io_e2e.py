@@ -383,8 +383,7 @@ def test_every_sample_is_readable_live_seconds_after_its_signal_ends(
             seen = _live_rows(run)
             if seen is not None:
                 got = {
-                    (f, s)
-                    for f, s in seen.select("forward_index", "signal").unique().iter_rows()
+                    (f, s) for f, s in seen.select("forward_index", "signal").unique().iter_rows()
                 }
                 if got >= {(f, s) for f in expected for s in ("output", "output_gradient")}:
                     break
@@ -402,9 +401,7 @@ def test_every_sample_is_readable_live_seconds_after_its_signal_ends(
         )
         assert summary.returncode == 0, summary.stderr
         table = pl.read_csv(summary.stdout.encode())
-        counts = table.filter(pl.col("metric") == "mean").select(
-            "layer", "signal", "observations"
-        )
+        counts = table.filter(pl.col("metric") == "mean").select("layer", "signal", "observations")
         assert sorted(counts.iter_rows()) == [
             (layer, signal, len(expected))
             for layer in (0, 1)

@@ -342,11 +342,14 @@ def test_a_0_8_0_reducer_that_raises_is_handled_at_the_forward_as_0_8_0_did(
         warned = any("needs 4 features" in str(w.message) for w in caught)
         outcomes[name] = (raised, warned)
     assert outcomes["ti"] == outcomes["0.8.0"]
-    assert outcomes["ti"] == {
-        "warn": (None, True),
-        "ignore": (None, False),
-        "raise": ("needs 4 features", False),
-    }[policy]
+    assert (
+        outcomes["ti"]
+        == {
+            "warn": (None, True),
+            "ignore": (None, False),
+            "raise": ("needs 4 features", False),
+        }[policy]
+    )
 
 
 class _OwnParameter(torch.nn.Module):
@@ -432,9 +435,10 @@ def test_live_parts_hold_what_0_8_0_published_per_event_within_seconds(tmp_path:
         while True:
             parts = sorted((tmp_path / "new" / "history.parts").glob("part-*.parquet"))
             live = pl.concat([pl.read_parquet(p) for p in parts]) if parts else None
-            if live is not None and set(
-                live.select("forward_index", "signal").unique().iter_rows()
-            ) >= want:
+            if (
+                live is not None
+                and set(live.select("forward_index", "signal").unique().iter_rows()) >= want
+            ):
                 break
             assert time.monotonic() < deadline, "the live rows never appeared"
             time.sleep(0.05)

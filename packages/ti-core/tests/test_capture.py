@@ -369,9 +369,7 @@ def test_capture_direct_forwards_records_every_call_combination(
                 stats(table, forward_index=forward_index, layer=layer, signal="output"),
                 reference(tensor.detach().numpy()),
             )
-            assert stats(
-                table, forward_index=forward_index, layer=layer, signal="output_gradient"
-            )
+            assert stats(table, forward_index=forward_index, layer=layer, signal="output_gradient")
     # the same rows whichever way each module was called
     baseline = MemorySink()
     torch.manual_seed(0)

@@ -295,9 +295,7 @@ def test_a_leaf_output_records_its_gradient_and_its_hook_goes() -> None:
     table = sink.table()
     assert_history_conforms(table)
     assert x.grad is not None
-    assert_matches(
-        stats(table, layer="0", signal="output_gradient"), reference(x.grad.numpy())
-    )
+    assert_matches(stats(table, layer="0", signal="output_gradient"), reference(x.grad.numpy()))
     histograms = sink.histograms().to_pylist()
     assert {(h["layer"], h["signal"]) for h in histograms} >= {("0", "output_gradient")}
 
@@ -366,7 +364,8 @@ def test_a_leaf_shared_by_several_forwards_before_one_backward_is_an_honest_null
     assert all(r["value"] is None for r in rows_)
     assert {r["unavailable_reason"] for r in rows_} == {LEAF_SHARED_REASON}
     lin = rows(sink.table(), layer="lin", signal="output_gradient")
-    assert lin and all(r["value"] is not None for r in lin)  # non-leaf outputs: exact
+    assert lin
+    assert all(r["value"] is not None for r in lin)  # non-leaf outputs: exact
 
 
 def test_a_leaf_hook_whose_backward_never_comes_is_removed_with_the_observer() -> None:

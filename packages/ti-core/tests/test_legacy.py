@@ -245,16 +245,19 @@ def test_a_0_8_0_reducer_that_raises_attaches_and_fails_at_the_forward_by_policy
     assert "_always_broken raised on every probe tensor" in note
     assert "RuntimeError: needs the model's own tensors" in note
     x = torch.randn(3, 2)
+
+    def train() -> None:
+        for _ in range(3):  # reduction may run behind the forward: raised by a next one
+            model(x).sum().backward()
+
     if policy == "raise":
         with pytest.raises(RuntimeError, match="needs the model's own tensors"):
-            for _ in range(3):  # reduction may run behind the forward: raised by a next one
-                model(x).sum().backward()
+            train()
         remove_observer(model)
         return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(3):
-            model(x).sum().backward()
+        train()
         remove_observer(model)
     telemetry = [w for w in caught if issubclass(w.category, TelemetryWarning)]
     assert len(telemetry) == (1 if policy == "warn" else 0)

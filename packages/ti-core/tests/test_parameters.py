@@ -296,7 +296,8 @@ def test_one_output_signal_alone_gives_exactly_its_rows_of_the_default_pair(sign
     gradient."""
     both = _output_rows(("output", "output_gradient"))
     leaf = [v for k, v in both.items() if k[1] == "output_gradient" and k[2] == "0"]
-    assert leaf and all(v[0] is not None for v in leaf)
+    assert leaf
+    assert all(v[0] is not None for v in leaf)
     alone = _output_rows((signal,))
     assert alone
     assert alone == {k: v for k, v in both.items() if k[1] == signal}

@@ -2,8 +2,8 @@
 
 The model has what the capture path treats specially: a chain of ``nn.Identity`` passing one
 tensor on (one reduction, many rows), a module called twice per forward, tuple and dict
-outputs, an output that is a leaf (its gradient hooked on the leaf), a ``no_grad`` call, an eval-mode
-forward and a forward without backward. ``data/run_pinned.json`` holds the rows the
+outputs, an output that is a leaf (its gradient hooked on the leaf), a ``no_grad`` call, an
+eval-mode forward and a forward without backward. ``data/run_pinned.json`` holds the rows the
 implementation before issue 16's optimizations wrote (floats as ``float.hex``; ``run_id`` and
 ``timestamp`` left out, they differ between runs). Regenerate only from an implementation you
 mean to pin (``python packages/ti-core/tests/test_run_pinned.py --write``).

@@ -454,9 +454,13 @@ def test_a_dead_writer_thread_is_reported_instead_of_waited_for(
     sink.write_history(s.history(0))  # a full part: the writer takes it and ends
     assert sink._writer is not None
     sink._writer._thread.join(timeout=60)
-    with pytest.raises(ArtifactWriteError, match="has stopped; rows are not being written"):
+
+    def fill() -> None:
         for sample in range(1, 2 + ti_io.parts.BACKPRESSURE_PARTS):  # until the buffer is full
             sink.write_history(s.history(sample))
+
+    with pytest.raises(ArtifactWriteError, match="has stopped; rows are not being written"):
+        fill()
 
 
 def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(
@@ -473,7 +477,6 @@ def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(
         real(path, table)
 
     monkeypatch.setattr(ti_io.parts, "write_parquet", transient)
-    per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(flush_seconds=None))
     sink.open(s.run)
     for sample in range(3):

@@ -214,7 +214,13 @@ def is_legacy_reducer(item: object) -> bool:
     return callable(item) and not isinstance(item, type | DefaultProfile | Reducer)
 
 
-PROBE_SHAPES: Final[tuple[tuple[int, ...], ...]] = ((4, 4), (2, 16), (2, 3, 8, 8), (2, 8, 16), (64,))
+PROBE_SHAPES: Final[tuple[tuple[int, ...], ...]] = (
+    (4, 4),
+    (2, 16),
+    (2, 3, 8, 8),
+    (2, 8, 16),
+    (64,),
+)
 """The float32 tensors a 0.8.0 reducer is called on at ``inject_observer`` to learn its metric
 names, in order until one call succeeds: a matrix, then the shapes of typical outputs
 (features, convolution maps, sequences, a vector), for reducers that need a given rank."""

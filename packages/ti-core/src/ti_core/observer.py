@@ -227,9 +227,7 @@ class Observer:
                 missing = Gaps()
                 missing.entries, missing.reasons = gaps, reasons
             self._emitter.emit(
-                EndedSignal(
-                    "output_gradient", state.sample_id, state.forward_index, batch, missing
-                )
+                EndedSignal("output_gradient", state.sample_id, state.forward_index, batch, missing)
             )
         except Exception as error:
             self._errors.handle("gradient emission", error)

@@ -155,9 +155,7 @@ class GradientState:
                 fresh = rows[done:] if done else rows
                 if hook.leaf:
                     target.leaf_hooks.discard(hook)  # its one backward: the hook goes
-                if hook.leaf and (
-                    hook.shared or target.forward_started_since(self.forward_index)
-                ):
+                if hook.leaf and (hook.shared or target.forward_started_since(self.forward_index)):
                     self._add_gaps(fresh, grad, LEAF_SHARED_REASON)
                 else:
                     if self.batch is None:
