@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -572,3 +574,38 @@ def test_several_reasons_are_counted(tmp_path: Path, synth: Callable[..., Synth]
         "all 3 samples unavailable: empty tensor (numel=0) (and 1 other reason; see "
         "unavailable_reason in history.parquet)"
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_never_hangs_on_the_writers_lock(
+    tmp_path: Path, synth: Callable[..., Synth]
+) -> None:
+    """A fork while another thread holds the writer's lock (the writer taking its buffers):
+    the child (a DataLoader worker, say) gets a fresh lock, so a write there returns."""
+    s = synth()
+    sink = DirectorySink(tmp_path, history_config=HistoryConfig(flush_seconds=None))
+    sink.open(s.run)
+    writer = sink._writer
+    assert writer is not None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with writer._cond:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(60)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the write returns
+        signal.alarm(20)
+        try:
+            sink.write_history(s.history(0))
+        finally:
+            os._exit(0)
+    release.set()
+    holder.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"the child hung on the lock (status {status})"
+    sink.close()

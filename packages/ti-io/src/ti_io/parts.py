@@ -22,12 +22,16 @@ the writer is still busy with the previous publication and a second full part ha
 two parts' rows per stream. A failed write is recorded (path, cause, rows lost) and reported by
 :meth:`take_errors`; the thread keeps serving later publications. A part whose publication
 fails is written once more at once (:func:`publish_part`): a transient error loses nothing.
+A forked child gets a fresh lock (it has no writer thread; the parent's may have held the lock
+at the fork).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
@@ -210,6 +214,12 @@ class PartWriter:
         self._dictionaries = DictionaryCache()
         self._thread = threading.Thread(target=self._run, name="ti-io-part-writer", daemon=True)
         self._thread.start()
+        _live.add(self)
+
+    def _reset_in_child(self) -> None:
+        # A forked child (a DataLoader worker) has no writer thread, and the writer's lock may
+        # have been held at the fork: a fresh one, so nothing in the child can hang on it.
+        self._cond = threading.Condition()
 
     # -- training thread -------------------------------------------------------------------
 
@@ -367,3 +377,15 @@ class PartWriter:
             self._events.close()
         except Exception as exc:
             self._fail(self._events.path, exc, 0, "TensorBoard histograms")
+
+
+_live: weakref.WeakSet[PartWriter] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for writer in list(_live):
+        writer._reset_in_child()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; spawned processes start clean anyway
+    os.register_at_fork(after_in_child=_after_fork_in_child)
