@@ -189,21 +189,24 @@ def test_a_callable_that_is_no_0_8_0_reducer_is_refused_naming_the_new_form() ->
     assert observer_of(model) is None
 
 
+def _observed_with_legacy(model: nn.Module, reducers: list[Any], **kwargs: Any) -> MemorySink:
+    """``model`` observed every forward into a MemorySink with ``reducers`` (0.8.0 ones among
+    them: one FutureWarning, checked)."""
+    sink = MemorySink()
+    with pytest.warns(FutureWarning):
+        inject_observer(
+            model, output_dir=None, sink=sink, sampler=AlwaysSampler(), reducers=reducers, **kwargs
+        )
+    return sink
+
+
 def test_a_0_8_0_reducer_for_convolution_maps_learns_its_names_from_a_4d_probe() -> None:
     def first_channel_mean(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"channel0_mean": tensor.mean(dim=(0, 2, 3))[0]}  # needs (N, C, H, W)
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU())
-    sink = MemorySink()
-    with pytest.warns(FutureWarning):
-        inject_observer(
-            model,
-            output_dir=None,
-            sink=sink,
-            sampler=AlwaysSampler(),
-            reducers=[first_channel_mean],
-        )
+    sink = _observed_with_legacy(model, [first_channel_mean])
     x = torch.randn(2, 2, 6, 6)
     with torch.no_grad():
         want = model[0](x)[:, 0].double().mean().item()
@@ -229,16 +232,7 @@ def test_a_0_8_0_reducer_that_raises_attaches_and_fails_at_the_forward_by_policy
     stays silent (the metric's rows unavailable, the reducer's error as the reason), "raise"
     raises the reducer's own error from that forward. (index.md: tests/test_io_e2e.py.)"""
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
-    sink = MemorySink()
-    with pytest.warns(FutureWarning):
-        inject_observer(
-            model,
-            output_dir=None,
-            sink=sink,
-            sampler=AlwaysSampler(),
-            reducers=[*default_reducers(), _always_broken],
-            error_policy=policy,
-        )
+    sink = _observed_with_legacy(model, [*default_reducers(), _always_broken], error_policy=policy)
     assert sink.run is not None
     assert sink.run.metrics[-1] == "_always_broken"
     note = sink.run.settings["reducers[1]"]
@@ -280,11 +274,7 @@ def test_a_0_8_0_reducer_that_fails_only_on_the_probes_says_why_its_metrics_are_
         return {"f0": float(tensor[..., 0].mean())}
 
     model = nn.Sequential(nn.Linear(3, 5))
-    sink = MemorySink()
-    with pytest.warns(FutureWarning):
-        inject_observer(
-            model, output_dir=None, sink=sink, sampler=AlwaysSampler(), reducers=[wide_only]
-        )
+    sink = _observed_with_legacy(model, [wide_only])
     assert sink.run is not None
     assert sink.run.metrics == ("wide_only",)
     assert "ValueError: expects 5 features" in sink.run.settings["reducers[0]"]

@@ -21,7 +21,7 @@ from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, StructureMemo, TensorBa
 from ti_core.capture.gradients import GradientState, GradientTarget, LeafHooks
 from ti_core.capture.parameter_target import ParameterTarget
 from ti_core.capture.parameters import ParameterCapture
-from ti_core.capture.sample import Gaps, Sample, as_gaps
+from ti_core.capture.sample import Sample, as_gaps
 from ti_core.capture.snapshots import SnapshotPool
 from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.emission.emitters import BackgroundEmitter, Emitter, InlineEmitter
@@ -29,7 +29,7 @@ from ti_core.emission.sinks import SinkFanout
 from ti_core.emission.writer import EndedSignal, SignalWriter
 from ti_core.errors import ErrorPolicy
 from ti_core.gate import Gate, GateState
-from ti_core.records import Entries, Entry, RunColumns, SignalName
+from ti_core.records import Entry, Gaps, RunColumns, SignalName
 from ti_core.reduction.plan import ReductionPlan
 from ti_core.sampling import Sampler
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
@@ -217,17 +217,11 @@ class Observer:
     def forward_started_since(self, forward_index: int) -> bool:
         return self.gate.latest_forward > forward_index
 
-    def finish_gradients(
-        self, state: GradientState, batch: TensorBatch, gaps: Entries | None, reasons: list[str]
-    ) -> None:
+    def finish_gradients(self, state: GradientState, batch: TensorBatch, gaps: Gaps | None) -> None:
         """End of a backward that reached ``state``'s sample (autograd engine callback)."""
         try:
-            missing = None
-            if gaps is not None:
-                missing = Gaps()
-                missing.entries, missing.reasons = gaps, reasons
             self._emitter.emit(
-                EndedSignal("output_gradient", state.sample_id, state.forward_index, batch, missing)
+                EndedSignal("output_gradient", state.sample_id, state.forward_index, batch, gaps)
             )
         except Exception as error:
             self._errors.handle("gradient emission", error)

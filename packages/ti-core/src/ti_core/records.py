@@ -149,6 +149,24 @@ class Entries:
 _COLUMNS = tuple(name for name in Entries.__slots__ if name != "key")
 
 
+class Gaps:
+    """Outputs whose gradient cannot be captured: their entries and the reason for each."""
+
+    __slots__ = ("entries", "reasons")
+
+    def __init__(self) -> None:
+        self.entries = Entries()
+        self.reasons: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.reasons)
+
+    def add(self, entry: Entry, reason: str) -> None:
+        """``entry`` has no capturable gradient, because ``reason``."""
+        self.entries.append(entry)
+        self.reasons.append(reason)
+
+
 def as_entries(entries: Entries | Sequence[Entry]) -> Entries:
     """``entries`` as columns (a sequence of :class:`Entry` is converted)."""
     return entries if isinstance(entries, Entries) else Entries.of(entries)

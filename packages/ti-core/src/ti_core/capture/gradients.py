@@ -27,7 +27,7 @@ from ti_core.capture.batch import Row, TensorBatch
 from ti_core.capture.context import now_us
 from ti_core.capture.hooks import HookObject
 from ti_core.errors import ErrorPolicy
-from ti_core.records import Entries, Entry
+from ti_core.records import Entry, Gaps
 from ti_core.reduction.support import dtype_name
 
 LEAF_SHARED_REASON: Final[str] = (
@@ -61,11 +61,9 @@ class GradientTarget(Protocol):
         """Whether a root forward after ``forward_index`` has started (on any thread)."""
         ...
 
-    def finish_gradients(
-        self, state: GradientState, batch: TensorBatch, gaps: Entries | None, reasons: list[str]
-    ) -> None:
+    def finish_gradients(self, state: GradientState, batch: TensorBatch, gaps: Gaps | None) -> None:
         """A backward that delivered ``batch`` to ``state``'s sample ended: emit it, and
-        ``gaps`` (entries whose gradient came but is not theirs alone, with ``reasons``)."""
+        ``gaps`` (entries whose gradient came but is not theirs alone, with the reasons)."""
         ...
 
 
@@ -83,8 +81,7 @@ class GradientState:
         "batch",
         "entries",
         "forward_index",
-        "gap_entries",
-        "gap_reasons",
+        "gaps",
         "hooked",
         "lock",
         "queued",
@@ -105,8 +102,8 @@ class GradientState:
         self.entries = entries
         """The sample's forward rows (read only here; the gradient rows take their identity)."""
         self.batch: TensorBatch | None = None
-        self.gap_entries: Entries | None = None
-        self.gap_reasons: list[str] = []
+        self.gaps: Gaps | None = None
+        """Entries of this backward whose gradient is not theirs alone (leaves), with why."""
         self.queued = False
         self.lock = threading.Lock()
         self.hooked: dict[int, GradHook] = {}
@@ -170,28 +167,26 @@ class GradientState:
     def _add_gaps(self, rows: list[int], tensor: torch.Tensor, reason: str) -> None:
         """Forward entries ``rows`` (which measured ``tensor``) get an unavailable gradient row
         for ``reason`` (call under ``lock``)."""
-        if self.gap_entries is None:
-            self.gap_entries = Entries()
+        if self.gaps is None:
+            self.gaps = Gaps()
         shape, dtype, stamp = tuple(tensor.shape), dtype_name(tensor.dtype), now_us()
         for row in rows:
             layer, call_index, path, train, grad_enabled, _ = self.entries[row]
-            self.gap_entries.append(
-                Entry(layer, call_index, path, train, grad_enabled, shape, dtype, stamp)
+            self.gaps.add(
+                Entry(layer, call_index, path, train, grad_enabled, shape, dtype, stamp), reason
             )
-            self.gap_reasons.append(reason)
 
     def flush(self) -> None:
         """End of a backward: emit the gradients it delivered to this sample."""
         with self.lock:
             batch, self.batch, self.queued = self.batch, None, False
-            gaps, self.gap_entries = self.gap_entries, None
-            reasons, self.gap_reasons = self.gap_reasons, []
+            gaps, self.gaps = self.gaps, None
         target = self.target_ref()
         if target is None or target.closed or (batch is None and gaps is None):
             return
         if batch is None:
             batch = target.new_batch()
-        target.finish_gradients(self, batch, gaps, reasons)
+        target.finish_gradients(self, batch, gaps)
 
     def unanswered(self, hook: GradHook, leaf: torch.Tensor) -> None:
         """``hook``'s ``leaf`` was returned again by a later sampled forward before a backward

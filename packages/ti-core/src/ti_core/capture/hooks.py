@@ -173,14 +173,43 @@ class CallHook(HookObject):
             self.target.capture(self.layer, module, output)
 
 
-class ForwardOverride(HookObject):
+class InstanceForward(HookObject):
+    """Base of the instance-level ``forward`` overrides: the module (weakly), the instance
+    ``forward`` the user had set (``previous``), what they delegate to, how copies behave."""
+
+    __slots__ = ("__weakref__", "module_ref", "previous", "target")
+
+    def __init__(
+        self, target: CaptureTarget, module: nn.Module, previous: Callable[..., Any] | None
+    ) -> None:
+        self.target = target
+        self.module_ref = weakref.ref(module)
+        self.previous = previous
+
+    def delegate(self) -> Callable[..., Any] | None:
+        """The forward this override runs: ``previous``, else the class ``forward`` bound."""
+        if self.previous is not None:
+            return self.previous
+        module = self.module_ref()
+        return None if module is None else type(module).forward.__get__(module)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any] | None:
+        """What ``inspect.signature`` should see: the forward this override delegates to."""
+        return self.delegate()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_copied_forward, (self.module_ref(), self.previous))
+
+
+class ForwardOverride(InstanceForward):
     """Instance-level ``forward`` that captures direct ``module.forward(...)`` calls too.
 
     It replaces the forward hook of its module (calls through ``__call__`` also reach it), so no
     call is counted twice. ``previous`` is the instance ``forward`` the user had set, if any.
     """
 
-    __slots__ = ("__weakref__", "key", "layer", "module_ref", "previous", "target")
+    __slots__ = ("key", "layer")
 
     def __init__(
         self,
@@ -189,22 +218,9 @@ class ForwardOverride(HookObject):
         module: nn.Module,
         previous: Callable[..., Any] | None,
     ) -> None:
-        self.target = target
+        super().__init__(target, module, previous)
         self.key = target.trace_key
         self.layer = layer
-        self.module_ref = weakref.ref(module)
-        self.previous = previous
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any] | None:
-        """What ``inspect.signature`` should see: the forward this override delegates to."""
-        if self.previous is not None:
-            return self.previous
-        module = self.module_ref()
-        return None if module is None else type(module).forward.__get__(module)
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (_copied_forward, (self.module_ref(), self.previous))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
@@ -222,38 +238,17 @@ class ForwardOverride(HookObject):
         return output
 
 
-class RootForwardOverride(HookObject):
+class RootForwardOverride(InstanceForward):
     """Instance-level ``forward`` of the root, with ``capture_direct_forwards``: a direct
     ``model.forward(x)`` is a root forward (sampled, counted and ended as one); inside a root
     forward (``model(x)``, whose root hooks already run, or a nested call) it only delegates,
     so nothing is counted twice."""
 
-    __slots__ = ("__weakref__", "module_ref", "previous", "target")
-
-    def __init__(
-        self, target: CaptureTarget, module: nn.Module, previous: Callable[..., Any] | None
-    ) -> None:
-        self.target = target
-        self.module_ref = weakref.ref(module)
-        self.previous = previous
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any] | None:
-        """What ``inspect.signature`` should see: the forward this override delegates to."""
-        return self._forward()
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (_copied_forward, (self.module_ref(), self.previous))
-
-    def _forward(self) -> Callable[..., Any] | None:
-        if self.previous is not None:
-            return self.previous
-        module = self.module_ref()
-        return None if module is None else type(module).forward.__get__(module)
+    __slots__ = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
-        forward = self._forward()
+        forward = self.delegate()
         if module is None or forward is None:  # pragma: no cover - the module owns this object
             raise ReferenceError("module of this forward override is gone")
         if is_compiling():
@@ -370,20 +365,20 @@ def install_forward_override(
     target: CaptureTarget, layer: int, module: nn.Module
 ) -> Callable[[], None]:
     """Put a :class:`ForwardOverride` on ``module``; return the function that undoes it exactly."""
-    previous = module.__dict__.get("forward")
-    return _set_forward(module, ForwardOverride(target, layer, module, previous))
+    return _set_forward(
+        module, ForwardOverride(target, layer, module, module.__dict__.get("forward"))
+    )
 
 
 def install_root_forward_override(target: CaptureTarget, root: nn.Module) -> Callable[[], None]:
     """Put a :class:`RootForwardOverride` on ``root``; return the function that undoes it
     exactly."""
-    previous = root.__dict__.get("forward")
-    return _set_forward(root, RootForwardOverride(target, root, previous))
+    return _set_forward(root, RootForwardOverride(target, root, root.__dict__.get("forward")))
 
 
-def _set_forward(module: nn.Module, override: Callable[..., Any]) -> Callable[[], None]:
+def _set_forward(module: nn.Module, override: InstanceForward) -> Callable[[], None]:
     had_instance = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
+    previous = override.previous
     module.__dict__["forward"] = override
     module_ref = weakref.ref(module)
 
@@ -411,6 +406,7 @@ __all__ = [
     "CaptureTarget",
     "ForwardOverride",
     "HookObject",
+    "InstanceForward",
     "PassthroughCall",
     "RootForwardOverride",
     "RootPostHook",

@@ -21,7 +21,7 @@ from ti_core.capture.context import in_reentrant_checkpoint
 from ti_core.capture.gradients import GradientState, GradientTarget
 from ti_core.capture.parameters import ParameterSample
 from ti_core.capture.paths import tensor_leaves
-from ti_core.records import Entries, Entry
+from ti_core.records import Entry, Gaps
 
 LEAF_REASON: Final[str] = (
     "gradient not captured: the output is a leaf tensor (the module returned an input or "
@@ -33,24 +33,6 @@ REENTRANT_REASON: Final[str] = (
     "gradient not captured: reentrant activation checkpoint "
     "(use torch.utils.checkpoint(..., use_reentrant=False))"
 )
-
-
-class Gaps:
-    """Outputs whose gradient cannot be captured: their entries and the reason for each."""
-
-    __slots__ = ("entries", "reasons")
-
-    def __init__(self) -> None:
-        self.entries = Entries()
-        self.reasons: list[str] = []
-
-    def __len__(self) -> int:
-        return len(self.reasons)
-
-    def add(self, entry: Entry, reason: str) -> None:
-        """``entry`` has no capturable gradient, because ``reason``."""
-        self.entries.append(entry)
-        self.reasons.append(reason)
 
 
 def as_gaps(gaps: Iterable[tuple[Entry, str]]) -> Gaps:
@@ -169,4 +151,4 @@ class Sample:
             self.gradients.forward_done()
 
 
-__all__ = ["LEAF_REASON", "REENTRANT_REASON", "Gaps", "Sample", "as_gaps"]
+__all__ = ["LEAF_REASON", "REENTRANT_REASON", "Sample", "as_gaps"]

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from ti_core.capture.batch import TensorBatch
-from ti_core.capture.sample import Gaps
 from ti_core.emission.sinks import SinkFanout
 from ti_core.errors import ErrorPolicy
 from ti_core.records import (
+    Gaps,
     RunColumns,
     SignalName,
     histogram_batch,
