@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ti_schema import DEFAULT_METRICS
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "run.py"
 
@@ -119,11 +121,11 @@ def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
     assert "unsampled <= 1.02x" in by_config[("unsampled", "dir")]["targets"]
     assert by_config[("every", "memory")]["status"] in {"PASS", "FAIL"}
     assert by_config[("every", "memory")]["targets"] == "every forward, MemorySink <= 3x"
-    # Every forward is sampled: 4 layers x 2 signals x 9 metrics per step (warmup included).
+    # Every forward is sampled: 4 layers x 2 signals x the metrics per step (warmup included).
     every = by_config[("every", "memory")]
-    assert int(every["history_rows"]) == (1 + 2) * 4 * 2 * 9
+    assert int(every["history_rows"]) == (1 + 2) * 4 * 2 * len(DEFAULT_METRICS)
     # unsampled: only the first forward (in the warmup) is sampled.
-    assert int(by_config[("unsampled", "dir")]["history_rows"]) == 4 * 2 * 9
+    assert int(by_config[("unsampled", "dir")]["history_rows"]) == 4 * 2 * len(DEFAULT_METRICS)
     assert "Targets (issue 16: sampled steps; issue 7: the rest)" in done.stdout
     assert "1 round(s) per workload" in done.stdout
     # each ratio target names the bare step it was measured against

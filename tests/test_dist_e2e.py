@@ -28,7 +28,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ti_core import has_observer, inject_observer
 from ti_dist import combine_shards, compare_ranks, scan_ranks
 from ti_io import consolidate
-from ti_schema import PARAMETER_SIGNALS, SIGNALS
+from ti_schema import DEFAULT_METRICS, PARAMETER_SIGNALS, SIGNALS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -487,7 +487,9 @@ def test_ddp_parameters_are_replicas_with_averaged_gradients(ddp_job: Path) -> N
             for metric, value in reference_profile(reference).items():
                 assert got[metric] == pytest.approx(value, rel=1e-5, abs=1e-8), (rank, name)
     table = compare_ranks(out, signal=list(PARAMETER_SIGNALS))
-    assert table.height == 3 * 4 * 9 * STEPS  # 3 signals x 4 tensors x 9 metrics x samples
+    assert (
+        table.height == 3 * 4 * len(DEFAULT_METRICS) * STEPS
+    )  # 3 signals x 4 tensors x metrics x samples
     assert (table["n_ranks"] == 4).all()
     assert (table["spread"].fill_null(0.0) == 0.0).all(), "DDP replicas differ across ranks"
 
@@ -584,7 +586,7 @@ def test_fsdp2_fully_shard_all_ranks(two_rank_job: tuple[Path, list[int]]) -> No
     whole = combine_shards(out).filter(
         (pl.col("layer") == "2") & (pl.col("parameter") == "weight") & (pl.col("sample_id") == 0)
     )
-    assert whole.height == 3 * 9
+    assert whole.height == 3 * len(DEFAULT_METRICS)
     for name, part in SIGNAL_PARTS:
         reference = reference_profile(np.load(root / "side" / f"fsdp-rank0-weight-{part}.npy"))
         for row in whole.filter(pl.col("signal") == name).iter_rows(named=True):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ti_schema import DEFAULT_METRICS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "parameter_signals.py"
 
@@ -51,6 +53,7 @@ def test_tiny_sequence_run_reports_every_configuration() -> None:
     ):
         assert re.search(rf"^  {config} +[0-9.]+ ms +[0-9.]+x", text, re.MULTILINE), text
     rows = dict(re.findall(r"data per sample, (outputs|all five) .* (\d+) history rows", text))
-    # 4 Linear layers x (output, output_gradient) x 9 metrics; all five adds their weight and
-    # bias x (parameter, parameter_gradient, parameter_update) x 9 metrics.
-    assert rows == {"outputs": str(4 * 2 * 9), "all five": str(4 * 2 * 9 + 4 * 2 * 3 * 9)}
+    # 4 Linear layers x (output, output_gradient) x the metrics; all five adds their weight and
+    # bias x (parameter, parameter_gradient, parameter_update) x the metrics.
+    m = len(DEFAULT_METRICS)
+    assert rows == {"outputs": str(4 * 2 * m), "all five": str(4 * 2 * m + 4 * 2 * 3 * m)}

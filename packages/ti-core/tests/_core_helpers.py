@@ -136,9 +136,10 @@ def exact_row(values: np.ndarray) -> dict[str, float]:
 def assert_row(row: torch.Tensor | np.ndarray, values: np.ndarray) -> None:
     """A profile row equals :func:`exact_row` of ``values``: order statistics, fractions and
     counts bit for bit, the float64 sums to 1e-12."""
-    got = dict(zip(layout.COLUMNS, np.asarray(row, dtype=np.float64).tolist(), strict=True))
+    columns = layout.DEFAULT_LAYOUT.columns
+    got = dict(zip(columns, np.asarray(row, dtype=np.float64).tolist(), strict=True))
     want = exact_row(values)
-    for name in layout.COLUMNS:
+    for name in layout.DEFAULT_LAYOUT.columns:
         if name not in want:
             assert math.isnan(got[name]), name
         elif name in ("mean", "std"):

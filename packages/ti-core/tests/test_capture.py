@@ -14,6 +14,7 @@ from _core_helpers import assert_matches, hook_state, reference, rows, stats
 from torch import nn
 
 from ti_core import AlwaysSampler, MemorySink, inject_observer, observe, remove_observer
+from ti_schema import DEFAULT_METRICS
 from ti_schema.testing import assert_history_conforms
 
 
@@ -163,7 +164,7 @@ def test_empty_nan_and_inf_tensors_have_reasons() -> None:
     table = sink.table()
     assert_history_conforms(table)
     empty = rows(table, tensor_path="[0]")
-    assert len(empty) == 9
+    assert len(empty) == len(DEFAULT_METRICS)
     assert all(r["value"] is None for r in empty)
     assert all("empty" in r["unavailable_reason"] for r in empty)
     assert empty[0]["shape"] == [0, 3]

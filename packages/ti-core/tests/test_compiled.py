@@ -32,8 +32,8 @@ from ti_core import AlwaysSampler, EveryNForwardsSampler, MemorySink
 from ti_core.capture import paths
 from ti_core.capture.gradients import GradientState
 from ti_core.capture.sample import LEAF_REASON
+from ti_core.capture.traced_calls import NESTED_REASON
 from ti_core.compiled import operators
-from ti_core.compiled.record import NESTED_REASON
 from ti_core.compiled.traced import CUDA_GRAPHS_REFUSED, traced_leaves
 from ti_core.gate import GateState
 

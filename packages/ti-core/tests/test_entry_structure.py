@@ -16,7 +16,8 @@ from torch import nn
 
 from ti_core import AlwaysSampler, MemorySink, inject_observer, remove_observer
 from ti_core.capture.batch import EntryStructure, StructureMemo, TensorBatch
-from ti_core.records import Entries, RunColumns, history_batch
+from ti_core.entries import Entries
+from ti_core.records import RunColumns, history_batch
 from ti_core.reduction.plan import ReductionPlan, default_reducers
 from ti_schema import histogram_schema, history_schema
 

@@ -8,10 +8,12 @@ import dataclasses
 import math
 
 import numpy as np
+import torch
 from test_records import METRICS, columns
 
-from ti_core.records import Entry, RunColumns, histogram_batch, history_batch
-from ti_core.reduction import HistogramData
+from ti_core.entries import Entry
+from ti_core.records import RunColumns, histogram_batch, history_batch
+from ti_core.reduction.histograms import histogram_rows
 from ti_schema.testing import assert_history_conforms
 
 
@@ -63,23 +65,29 @@ def test_identity_changes_are_not_served_from_the_cache() -> None:
 
 
 def test_histogram_batch_columns() -> None:
+    """Built as production builds them (histogram rows of real tensors): a spread tensor, one
+    without finite entries (an empty histogram) and a single-valued one (one bucket)."""
     run = columns(3)
-    hists = [
-        HistogramData(np.array([1.0, 2.0, 3.0]), np.array([4, 0, 1]), 0.5, 3.0, 5, 6.5, 11.0, 2),
-        HistogramData(np.zeros(0), np.zeros(0, dtype=np.int64), None, None, 0, 0.0, 0.0, 7),
-        HistogramData(np.array([math.pi]), np.array([9]), 2.5, 2.5, 9, 22.5, 56.25, 0),
+    inf, nan = math.inf, math.nan
+    tensors = [
+        torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, nan, inf]),
+        torch.tensor([nan] * 4 + [inf, -inf, inf]),
+        torch.full((9,), 2.5),
     ]
+    rows = histogram_rows(tensors, bins=3)
+    hists = rows.items()
+    assert [len(h.bucket_counts) for h in hists] == [3, 0, 1]
     for stamp in (1, 2):  # the second batch reuses the cached identity columns
-        batch = histogram_batch(run, "output", stamp, 4, _entries(stamp), hists)
+        batch = histogram_batch(run, "output", stamp, 4, _entries(stamp), rows)
         assert batch.schema.equals(run.histogram_schema, check_metadata=True)
-        rows = batch.to_pylist()
-        assert [r["sample_id"] for r in rows] == [stamp] * 3
-        assert [int(r["timestamp"].timestamp() * 1e6) for r in rows] == [
+        out = batch.to_pylist()
+        assert [r["sample_id"] for r in out] == [stamp] * 3
+        assert [int(r["timestamp"].timestamp() * 1e6) for r in out] == [
             stamp,
             stamp + 1,
             stamp + 2,
         ]
-        for row, h in zip(rows, hists, strict=True):
+        for row, h in zip(out, hists, strict=True):
             assert row["bucket_limits"] == h.bucket_limits.tolist()
             assert row["bucket_counts"] == h.bucket_counts.tolist()
             assert (row["min"], row["max"]) == (h.min, h.max)

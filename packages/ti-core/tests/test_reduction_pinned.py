@@ -5,9 +5,10 @@ large tensors, every supported dtype, NaN/inf mixes, ties, all-equal, empty, one
 is measured end to end: module outputs captured by a real observer, reduced on the emission
 worker and inline, read back from a ``MemorySink``. Two references:
 
-- ``data/reduction_pinned.json``: the rows the implementation before issue 16's optimizations
-  produced for the same tensors (value and histogram floats as ``float.hex``). A change of the
-  engine must keep every bit; regenerate only from an implementation you mean to pin
+- ``data/reduction_pinned.json``: the rows the implementation before the sampled-step
+  optimizations for many small modules (benchmarks/README.md) produced for the same tensors
+  (value and histogram floats as ``float.hex``). A change of the engine must keep every bit;
+  regenerate only from an implementation you mean to pin
   (``python packages/ti-core/tests/test_reduction_pinned.py --write``).
 - numpy in float64 on the same values, independently: order statistics, fractions and
   histogram counts and edges exactly, mean and std to float64 rounding.

@@ -89,14 +89,15 @@ def test_the_engine_follows_the_device() -> None:
 
 
 def test_a_profile_row_needs_every_column_exactly_once() -> None:
-    full = {c: float(c) for c in range(layout.WIDTH)}
-    assert layout.in_order(full) == [float(c) for c in range(layout.WIDTH)]
-    assert layout.in_order(dict(reversed(full.items()))) == layout.in_order(full)  # by key
-    partial = {c: v for c, v in full.items() if c not in (layout.P50, layout.FINITE_COUNT)}
+    lay = layout.DEFAULT_LAYOUT
+    full = {c: float(i) for i, c in enumerate(lay.columns)}
+    assert lay.in_order(full) == [float(i) for i in range(lay.width)]
+    assert lay.in_order(dict(reversed(full.items()))) == lay.in_order(full)  # by key
+    partial = {c: v for c, v in full.items() if c not in ("p50", "finite_count")}
     with pytest.raises(ValueError, match=r"missing \['p50', 'finite_count'\]"):
-        layout.in_order(partial)
-    with pytest.raises(ValueError, match=r"needs every column; missing \[\]"):
-        layout.in_order({**full, layout.WIDTH: 0.0})  # a column the layout does not have
+        lay.in_order(partial)
+    with pytest.raises(ValueError, match=r"missing \[\], unknown \['abs_max'\]"):
+        lay.in_order({**full, "abs_max": 0.0})  # a column the layout does not have
 
 
 @pytest.mark.parametrize("bins", [1, 30])

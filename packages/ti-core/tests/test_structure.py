@@ -20,7 +20,7 @@ from ti_core.reduction import (
     support,
     torch_rows,
 )
-from ti_schema import DEFAULT_METRICS
+from ti_schema import DEFAULT_METRICS, FINITE_METRICS
 
 SRC = Path(ti_core.__file__).parent
 
@@ -133,32 +133,20 @@ def test_layers_import_one_way() -> None:
 
 
 def test_profile_row_columns_are_the_schema_metrics_then_the_finite_count() -> None:
-    assert (*DEFAULT_METRICS, "finite_count") == layout.COLUMNS
-    assert len(layout.COLUMNS) == layout.WIDTH
-    named = {
-        "mean": layout.MEAN,
-        "std": layout.STD,
-        "min": layout.MIN,
-        "max": layout.MAX,
-        "p25": layout.P25,
-        "p50": layout.P50,
-        "p75": layout.P75,
-        "zero_fraction": layout.ZERO_FRACTION,
-        "nonfinite_fraction": layout.NONFINITE_FRACTION,
-        "finite_count": layout.FINITE_COUNT,
-    }
-    assert {layout.COLUMNS[c]: c for c in named.values()} == named
-    assert [layout.COLUMNS[c] for c in layout.OVER_FINITE] == [
-        "mean",
-        "std",
-        "min",
-        "max",
-        "p25",
-        "p50",
-        "p75",
-    ]
-    assert layout.COLUMNS[layout.QUARTILES] == ("p25", "p50", "p75")
+    lay = layout.DEFAULT_LAYOUT
+    assert (*DEFAULT_METRICS, "finite_count") == lay.columns
+    assert len(lay.columns) == lay.width == len(DEFAULT_METRICS) + 1
+    assert lay.finite_count == lay.width - 1
+    assert [lay.columns[c] for c in sorted(lay.over_finite)] == list(FINITE_METRICS)
+    assert {lay.index(name): name for name in lay.columns} == dict(enumerate(lay.columns))
     assert layout.histogram_width(30) == 6 + 31 + 30
+
+
+def test_every_default_metric_has_one_function_per_engine() -> None:
+    from ti_core.reduction import numpy_rows, torch_rows
+
+    assert tuple(numpy_rows.METRICS) == DEFAULT_METRICS
+    assert tuple(torch_rows.METRICS) == DEFAULT_METRICS
 
 
 def _numpy_reference_row(t: torch.Tensor) -> list[float]:

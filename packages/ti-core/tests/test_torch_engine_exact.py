@@ -247,7 +247,8 @@ def test_large_row_exact_counts_beyond_float32() -> None:
     a = np.zeros(2**24 + 5, dtype=np.float32)
     a[:2] = np.nan
     a[2::7] = 1.5
-    row = dict(zip(layout.COLUMNS, rows.large_row_exact(torch.from_numpy(a)).tolist(), strict=True))
+    columns = layout.DEFAULT_LAYOUT.columns
+    row = dict(zip(columns, rows.large_row_exact(torch.from_numpy(a)).tolist(), strict=True))
     assert row["finite_count"] == 2**24 + 3
     assert row["nonfinite_fraction"] == 2 / a.size
 
@@ -278,7 +279,7 @@ def test_batched_rows_pad_rows_of_several_widths() -> None:
     narrow[2][1, 1] = 2.5  # a single finite entry
     wide[0][5:] = np.nan
     out = rows.batched_rows([narrow, wide], torch.device("cpu"))
-    assert out.shape == (5, layout.WIDTH)
+    assert out.shape == (5, layout.DEFAULT_LAYOUT.width)
     assert out.dtype == torch.float64
     for got, t in zip(out, [*narrow, *wide], strict=True):
         assert_row(got, t.numpy())

@@ -5,8 +5,9 @@ Lifecycle: built and attached by ``inject_observer`` (sinks already open), detac
 the parameter update windows still open (their unavailable rows emitted), the emitter (every
 queued signal written) and the sinks (each closed once). In between, the
 gate (:mod:`ti_core.gate`) decides which root forwards are sampled and calls back here to start
-and end samples; each ended signal (a sample's outputs, or the gradients one backward delivered
-to it) goes to the emitter (:mod:`ti_core.emission`). ``observer_of(model)`` returns it.
+samples; capture hands each ended signal (a sample's outputs, the gradients one backward
+delivered to it, ...: :class:`~ti_core.capture.ended.EndedSignal`) to :meth:`Observer.emit`,
+which gives it to the emitter (:mod:`ti_core.emission`). ``observer_of(model)`` returns it.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ from collections.abc import Collection, Sequence
 from torch import nn
 
 from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, StructureMemo, TensorBatch
-from ti_core.capture.gradients import GradientState, GradientTarget, LeafHooks
-from ti_core.capture.parameter_target import ParameterTarget
+from ti_core.capture.ended import EndedSignal, SignalTarget
+from ti_core.capture.gradients import GradientTarget, LeafHooks
 from ti_core.capture.parameters import ParameterCapture
-from ti_core.capture.sample import Sample, as_gaps
+from ti_core.capture.sample import Sample
 from ti_core.capture.snapshots import SnapshotPool
 from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.emission.emitters import BackgroundEmitter, Emitter, InlineEmitter
 from ti_core.emission.sinks import SinkFanout
-from ti_core.emission.writer import EndedSignal, SignalWriter
+from ti_core.emission.writer import SignalWriter
 from ti_core.errors import ErrorPolicy
 from ti_core.gate import Gate, GateState
-from ti_core.records import Entry, Gaps, RunColumns, SignalName
+from ti_core.records import RunColumns
 from ti_core.reduction.plan import ReductionPlan
 from ti_core.sampling import Sampler
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
@@ -83,7 +84,7 @@ class Observer:
         self.parameters: ParameterCapture | None = None
         """The parameter signals' catalog, update tracker and hooks (None when they are off)."""
         if self.signals & set(PARAMETER_SIGNALS):
-            target: weakref.ref[ParameterTarget] = weakref.ref(self)
+            target: weakref.ref[SignalTarget] = weakref.ref(self)
             self.parameters = ParameterCapture(
                 modules, tuple(self.signals), target, update_budget_bytes
             )
@@ -151,14 +152,8 @@ class Observer:
         self.gate.close()
         self._leaf_hooks.close()
         if self.parameters is not None:
-            for window, gaps in self.parameters.flush():
-                self._emit_parameters(
-                    "parameter_update",
-                    window.sample_id,
-                    window.forward_index,
-                    self.new_batch(),
-                    gaps,
-                )
+            for ended in self.parameters.flush():
+                self._emitter.emit(ended)
         self._emitter.close()  # writes every queued signal first: nothing measured is lost
         if self._errors.has_deferred:
             self._errors.report_deferred()
@@ -167,48 +162,30 @@ class Observer:
     # ------------------------------------------------------------------ SampleOwner (the gate)
 
     def start_sample(self, sample_id: int, forward_index: int) -> Sample:
-        signals = self.signals
         parameters = None
         if self.parameters is not None:
-            values = self.new_batch() if "parameter" in signals else None
-            parameters = self.parameters.start(sample_id, forward_index, values)
+            parameters = self.parameters.start(sample_id, forward_index)
         return Sample(
             sample_id,
             forward_index,
             self.new_batch(),
             self._self_ref,
-            outputs="output" in signals,
-            output_gradients="output_gradient" in signals,
+            signals=self.signals,
             parameters=parameters,
         )
 
-    def end_forward(self, sample: Sample) -> None:
-        sample.forward_done()
-        if sample.outputs or sample.gaps:
-            # without the output signal the forward rows exist only for the gradients to
-            # derive their identity from: they are not emitted
-            batch = sample.forward if sample.outputs else self.new_batch()
-            self._emitter.emit(
-                EndedSignal("output", sample.sample_id, sample.forward_index, batch, sample.gaps)
-            )
-        if sample.parameters is not None:
-            values, gaps = sample.parameters.forward_done()
-            if values is not None or gaps:
-                self._emitter.emit(
-                    EndedSignal(
-                        "parameter",
-                        sample.sample_id,
-                        sample.forward_index,
-                        values if values is not None else self.new_batch(),
-                        as_gaps(gaps),
-                        gap_signal="parameter_gradient",
-                    )
-                )
-
-    # ------------------------------------------------------------------ GradientTarget
+    # ------------------------------------------------------------------ SignalTarget (capture)
 
     def new_batch(self) -> TensorBatch:
         return TensorBatch(self._plan, self._focus, pool=self._pool, memo=self._memo)
+
+    def emit(self, ended: EndedSignal) -> None:
+        """A signal of a sample ended (its root forward returned, a backward or an optimizer
+        step that reached it ended): write or queue it."""
+        try:
+            self._emitter.emit(ended)
+        except Exception as error:
+            self._errors.handle(ended.stage, error)
 
     @property
     def leaf_hooks(self) -> LeafHooks:
@@ -216,44 +193,6 @@ class Observer:
 
     def forward_started_since(self, forward_index: int) -> bool:
         return self.gate.latest_forward > forward_index
-
-    def finish_gradients(self, state: GradientState, batch: TensorBatch, gaps: Gaps | None) -> None:
-        """End of a backward that reached ``state``'s sample (autograd engine callback)."""
-        try:
-            self._emitter.emit(
-                EndedSignal("output_gradient", state.sample_id, state.forward_index, batch, gaps)
-            )
-        except Exception as error:
-            self._errors.handle("gradient emission", error)
-
-    # ------------------------------------------------------------------ ParameterTarget
-
-    def finish_parameters(
-        self,
-        signal: SignalName,
-        sample_id: int,
-        forward_index: int,
-        batch: TensorBatch,
-        gaps: Sequence[tuple[Entry, str]],
-    ) -> None:
-        """A parameter gradient read at the end of a backward, or an optimizer step's updates
-        (or the reasons they are missing): emit them."""
-        try:
-            self._emit_parameters(signal, sample_id, forward_index, batch, gaps)
-        except Exception as error:
-            self._errors.handle(f"{signal.replace('_', ' ')} emission", error)
-
-    def _emit_parameters(
-        self,
-        signal: SignalName,
-        sample_id: int,
-        forward_index: int,
-        batch: TensorBatch,
-        gaps: Sequence[tuple[Entry, str]],
-    ) -> None:
-        self._emitter.emit(
-            EndedSignal(signal, sample_id, forward_index, batch, as_gaps(gaps), gap_signal=signal)
-        )
 
 
 __all__ = ["Observer"]

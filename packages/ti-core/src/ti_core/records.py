@@ -7,169 +7,17 @@ repeated per metric with ``take``, values come straight from the reducers' float
 
 from __future__ import annotations
 
-import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 
+from ti_core.entries import Entries, Entry, as_entries
 from ti_core.reduction import layout
-from ti_core.reduction.histograms import HistogramData, HistogramRows, single_value_limit
-
-SignalName = Literal[
-    "output", "output_gradient", "parameter", "parameter_gradient", "parameter_update"
-]
-"""Values of the ``signal`` column (``ti_schema.SIGNALS``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """Identity and context of one measured tensor."""
-
-    layer: int
-    """Index into the run's layers."""
-    call_index: int
-    path: str
-    train: bool
-    grad_enabled: bool
-    shape: tuple[int, ...]
-    dtype: str
-    timestamp_us: int
-
-
-class Entries:
-    """Identity and context of measured tensors, one list per :class:`Entry` field.
-
-    What the record batches are built from: column ``f`` of row ``i`` is field ``f`` of the
-    ``i``-th measured tensor. Capture records rows (``ti_core.capture.batch.Row``) and turns
-    them into columns once per signal.
-    """
-
-    __slots__ = (
-        "call_index",
-        "dtype",
-        "grad_enabled",
-        "key",
-        "layer",
-        "path",
-        "shape",
-        "timestamp_us",
-        "train",
-    )
-
-    def __init__(self) -> None:
-        self.layer: list[int] = []
-        self.call_index: list[int] = []
-        self.path: list[str] = []
-        self.train: list[bool] = []
-        self.grad_enabled: list[bool] = []
-        self.shape: list[tuple[int, ...]] = []
-        self.dtype: list[str] = []
-        self.timestamp_us: list[int] = []
-        self.key: int | None = None
-        """Equal for entries whose columns, all but ``timestamp_us``, are equal (None: not
-        known). Capture sets it where it reuses the columns of an earlier batch, and the record
-        batches then reuse the identity columns built for that key."""
-
-    def __len__(self) -> int:
-        return len(self.layer)
-
-    def __getitem__(self, i: int) -> Entry:
-        return Entry(
-            self.layer[i],
-            self.call_index[i],
-            self.path[i],
-            self.train[i],
-            self.grad_enabled[i],
-            self.shape[i],
-            self.dtype[i],
-            self.timestamp_us[i],
-        )
-
-    @classmethod
-    def of_columns(
-        cls,
-        layer: list[int],
-        call_index: list[int],
-        path: list[str],
-        train: list[bool],
-        grad_enabled: list[bool],
-        shape: list[tuple[int, ...]],
-        dtype: list[str],
-        timestamp_us: list[int],
-        key: int | None = None,
-    ) -> Entries:
-        """Entries from equally long columns (taken, not copied; columns shared under a ``key``
-        are never changed)."""
-        lengths = {len(c) for c in (layer, call_index, path, train, grad_enabled, shape, dtype)}
-        if lengths != {len(timestamp_us)}:
-            raise ValueError(f"entry columns differ in length: {sorted(lengths)}")
-        out = cls()
-        out.layer, out.call_index, out.path, out.train = layer, call_index, path, train
-        out.grad_enabled, out.shape, out.dtype = grad_enabled, shape, dtype
-        out.timestamp_us = timestamp_us
-        out.key = key
-        return out
-
-    @classmethod
-    def of(cls, entries: Iterable[Entry]) -> Entries:
-        """The columns of ``entries``."""
-        out = cls()
-        for e in entries:
-            out.append(e)
-        return out
-
-    def append(self, e: Entry) -> None:
-        """Add ``e`` as the last row."""
-        self.layer.append(e.layer)
-        self.call_index.append(e.call_index)
-        self.path.append(e.path)
-        self.train.append(e.train)
-        self.grad_enabled.append(e.grad_enabled)
-        self.shape.append(e.shape)
-        self.dtype.append(e.dtype)
-        self.timestamp_us.append(e.timestamp_us)
-
-    def take(self, rows: Sequence[int]) -> Entries:
-        """The entries at ``rows``, in that order."""
-        out = Entries()
-        if not rows:
-            return out
-        get = itemgetter(*rows)
-        for name in _COLUMNS:
-            picked = get(getattr(self, name))
-            setattr(out, name, list(picked) if len(rows) > 1 else [picked])
-        return out
-
-
-_COLUMNS = tuple(name for name in Entries.__slots__ if name != "key")
-
-
-class Gaps:
-    """Outputs whose gradient cannot be captured: their entries and the reason for each."""
-
-    __slots__ = ("entries", "reasons")
-
-    def __init__(self) -> None:
-        self.entries = Entries()
-        self.reasons: list[str] = []
-
-    def __len__(self) -> int:
-        return len(self.reasons)
-
-    def add(self, entry: Entry, reason: str) -> None:
-        """``entry`` has no capturable gradient, because ``reason``."""
-        self.entries.append(entry)
-        self.reasons.append(reason)
-
-
-def as_entries(entries: Entries | Sequence[Entry]) -> Entries:
-    """``entries`` as columns (a sequence of :class:`Entry` is converted)."""
-    return entries if isinstance(entries, Entries) else Entries.of(entries)
+from ti_core.reduction.histograms import HistogramRows, single_value_limit
+from ti_schema import Signal
 
 
 @dataclass(frozen=True)
@@ -216,7 +64,7 @@ class RunColumns:
         return column
 
     def static_columns(
-        self, signal: SignalName, entries: Entries, repeat: int
+        self, signal: Signal, entries: Entries, repeat: int
     ) -> tuple[list[pa.Array], np.ndarray]:
         """Columns that depend only on the entries' identity (all but timestamp, sample and
         forward index), ``repeat`` rows per entry, and the row-to-entry index."""
@@ -237,7 +85,7 @@ class RunColumns:
         return columns, rep
 
     @staticmethod
-    def _content_key(signal: SignalName, entries: Entries, repeat: int) -> tuple[object, ...]:
+    def _content_key(signal: Signal, entries: Entries, repeat: int) -> tuple[object, ...]:
         return (
             signal,
             repeat,
@@ -279,7 +127,7 @@ def _strings(values: np.ndarray, index: np.ndarray) -> pa.Array:
 
 def _identity(
     run: RunColumns,
-    signal: SignalName,
+    signal: Signal,
     sample_id: int,
     forward_index: int,
     entries: Entries,
@@ -308,7 +156,7 @@ def _identity(
 
 
 def _static_columns(
-    run: RunColumns, signal: SignalName, entries: Entries, repeat: int
+    run: RunColumns, signal: Signal, entries: Entries, repeat: int
 ) -> tuple[list[pa.Array], np.ndarray]:
     n = len(entries)
     rows = n * repeat
@@ -349,7 +197,7 @@ def _static_columns(
 
 def history_batch(
     run: RunColumns,
-    signal: SignalName,
+    signal: Signal,
     sample_id: int,
     forward_index: int,
     entries: Entries | Sequence[Entry],
@@ -394,7 +242,7 @@ def history_batch(
 
 def unavailable_batch(
     run: RunColumns,
-    signal: SignalName,
+    signal: Signal,
     sample_id: int,
     forward_index: int,
     entries: Entries | Sequence[Entry],
@@ -415,30 +263,22 @@ def unavailable_batch(
     )
 
 
-def _concat(parts: list[np.ndarray], dtype: type[np.generic]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
-
 def histogram_batch(
     run: RunColumns,
-    signal: SignalName,
+    signal: Signal,
     sample_id: int,
     forward_index: int,
     entries: Entries | Sequence[Entry],
-    histograms: HistogramRows | Sequence[HistogramData],
+    histograms: HistogramRows,
 ) -> pa.RecordBatch:
     """One ``ti.histograms`` row per entry."""
     entries = as_entries(entries)
-    if isinstance(histograms, HistogramRows):
-        lists = _histogram_lists(histograms)
-    else:
-        lists = _histogram_data_lists(histograms)
-    limits, limit_offsets, counts, count_offsets, heads, num, nonfinite = lists
+    limits, counts, offsets, heads, num, nonfinite = _histogram_lists(histograms)
     no_range = num == 0
     columns = [
         *_identity(run, signal, sample_id, forward_index, entries, 1),
-        pa.ListArray.from_arrays(pa.array(limit_offsets), pa.array(limits, pa.float64())),
-        pa.ListArray.from_arrays(pa.array(count_offsets), pa.array(counts, pa.int64())),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(limits, pa.float64())),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(counts, pa.int64())),
         pa.array(heads[:, 0], pa.float64(), mask=no_range),
         pa.array(heads[:, 1], pa.float64(), mask=no_range),
         pa.array(num, pa.int64()),
@@ -449,43 +289,9 @@ def histogram_batch(
     return pa.RecordBatch.from_arrays(columns, schema=run.histogram_schema)
 
 
-_Lists = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-"""Bucket limits and their offsets, counts and theirs, the (k, 6) heads (min, max, num, sum,
-sum of squares, non-finite), num and non-finite counts as int64."""
-
-
-def _histogram_data_lists(histograms: Sequence[HistogramData]) -> _Lists:
-    limits = [np.asarray(h.bucket_limits, dtype=np.float64) for h in histograms]
-    counts = [np.asarray(h.bucket_counts, dtype=np.int64) for h in histograms]
-    limit_offsets = np.zeros(len(histograms) + 1, dtype=np.int32)
-    np.cumsum([v.size for v in limits], out=limit_offsets[1:])
-    count_offsets = np.zeros(len(histograms) + 1, dtype=np.int32)
-    np.cumsum([c.size for c in counts], out=count_offsets[1:])
-    heads = np.array(
-        [
-            (
-                math.nan if h.min is None else h.min,
-                math.nan if h.max is None else h.max,
-                h.num,
-                h.sum,
-                h.sum_squares,
-                h.nonfinite_count,
-            )
-            for h in histograms
-        ],
-        dtype=np.float64,
-    ).reshape(len(histograms), 6)
-    num = np.array([int(h.num) for h in histograms], dtype=np.int64)
-    nonfinite = np.array([int(h.nonfinite_count) for h in histograms], dtype=np.int64)
-    return (
-        _concat(limits, np.float64),
-        limit_offsets,
-        _concat(counts, np.int64),
-        count_offsets,
-        heads,
-        num,
-        nonfinite,
-    )
+_Lists = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Bucket limits, bucket counts and the list offsets they share, the (k, 6) heads (min, max,
+num, sum, sum of squares, non-finite), num and non-finite counts as int64."""
 
 
 def _histogram_lists(histograms: HistogramRows) -> _Lists:
@@ -510,4 +316,14 @@ def _histogram_lists(histograms: HistogramRows) -> _Lists:
     offsets = np.zeros(k + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     kept = np.arange(bins)[None, :] < lengths[:, None]
-    return limits[kept], offsets, counts[kept], offsets, heads, num, nonfinite
+    return limits[kept], counts[kept], offsets, heads, num, nonfinite
+
+
+__all__ = [
+    "Entry",
+    "RunColumns",
+    "constant_strings",
+    "histogram_batch",
+    "history_batch",
+    "unavailable_batch",
+]

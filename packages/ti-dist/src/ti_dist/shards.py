@@ -2,19 +2,21 @@
 
 Each rank measures the shard it holds; its rows say so in ``tensor_path``: the parameter's name,
 ``@`` and its placements (``weight@S(0)``: sharded on dim 0 of a one-dimensional mesh;
-docs/data-contract.md, "Signals"). The statistics of the whole parameter follow exactly from
-each shard's and its size, for what is a sum or an extreme:
+docs/data-contract.md, "Signals"). How each metric combines is declared with the metric
+(``ti_schema.MetricSpec.combine``, :data:`ti_schema.DEFAULT_PROFILE`); this module applies each
+rule once, for every metric that declares it. With ``n_r`` the finite entries of rank ``r``
+(``prod(shape_r) * (1 - nonfinite_fraction_r)``) and ``N = sum_r n_r``:
 
-- ``n_r`` finite entries of rank ``r``: ``prod(shape_r) * (1 - nonfinite_fraction_r)``;
-- ``mean = sum_r n_r mean_r / N`` with ``N = sum_r n_r``;
-- ``std = sqrt(sum_r n_r (std_r**2 + (mean_r - mean)**2) / N)`` (population std);
-- ``min``/``max``: the smallest / largest of the shards';
-- ``zero_fraction``, ``nonfinite_fraction``: weighted by ``prod(shape_r)``.
+- ``finite_mean`` (``mean``): ``sum_r n_r mean_r / N``;
+- ``pooled_std`` (``std``): ``sqrt(sum_r n_r (std_r**2 + (mean_r - mean)**2) / N)``, around
+  the metric it is pooled with (population std);
+- ``min`` / ``max``: the smallest / largest of the shards';
+- ``entry_mean`` (``zero_fraction``, ``nonfinite_fraction``): weighted by ``prod(shape_r)``.
 
-Quartiles are order statistics of the whole tensor; the shards' quartiles do not determine
-them, so ``p25``, ``p50`` and ``p75`` are null with a reason (as are custom metrics). Only
-tensors on a one-dimensional mesh sharded on one dim (``@S(d)``) are combined; replicated or
-several-dimensional placements (``@R``, ``@R,S(0)``) are left alone.
+A metric that declares no rule (the quartiles: order statistics of the whole tensor, which the
+shards' quartiles do not determine) is null with the declared reason, as are custom metrics
+(no rows). Only tensors on a one-dimensional mesh sharded on one dim (``@S(d)``) are combined;
+replicated or several-dimensional placements (``@R``, ``@R,S(0)``) are left alone.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import polars as pl
 
 from ti_dist.compare import AlignOn
 from ti_dist.reading import scan_ranks
-from ti_schema import DEFAULT_METRICS
+from ti_schema import DEFAULT_PROFILE, MetricProfile, MetricSpec
 
 KEY: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path")
 """One sharded tensor; rows also line up on ``sample_id`` (or ``forward_index``)."""
@@ -35,25 +37,31 @@ KEY: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path")
 SHARD_PATH: Final[str] = r"^(?P<name>.*)@S\((?P<dim>\d+)\)$"
 """A ``tensor_path`` of a tensor sharded on one dim of a one-dimensional mesh."""
 
-QUARTILE_REASON: Final[str] = (
-    "not combinable: the quartiles of a sharded tensor do not follow from its shards' "
-    "quartiles (each rank's own rows have them)"
+FINITE_WEIGHT: Final[str] = "nonfinite_fraction"
+"""The metric every shard's finite-entry count follows from (the weights of the rules)."""
+
+NOT_COMBINABLE_REASON: Final[str] = "not combinable: {why} (each rank's own rows have them)"
+QUARTILE_REASON: Final[str] = NOT_COMBINABLE_REASON.format(
+    why=DEFAULT_PROFILE.get("p50").not_combinable
 )
-CUSTOM_REASON: Final[str] = "not combinable: a custom metric (only the default profile combines)"
 NO_FINITE_REASON: Final[str] = "no finite entries"
+EMPTY_REASON: Final[str] = "empty tensor (numel=0)"
 MISSING_REASON: Final[str] = "not combinable: the shards of ranks {ranks} are missing"
 UNAVAILABLE_REASON: Final[str] = (
     "not combinable: a value needed is unavailable on rank(s) {ranks} (see their rows)"
 )
 
-_COMBINED: Final[tuple[str, ...]] = (
-    "mean",
-    "std",
-    "min",
-    "max",
-    "zero_fraction",
-    "nonfinite_fraction",
-)
+
+def _combined(profile: MetricProfile) -> tuple[str, ...]:
+    """The metrics whose shard values a combination reads: every one with a rule, and the
+    finite weights."""
+    if FINITE_WEIGHT not in profile:
+        raise ValueError(
+            f"combining shards needs the metric {FINITE_WEIGHT!r} (each shard's finite entries "
+            f"follow from it); the profile has {list(profile.names)}"
+        )
+    names = [m.name for m in profile if m.combine is not None]
+    return (*names, FINITE_WEIGHT) if FINITE_WEIGHT not in names else tuple(names)
 
 
 def _frame(source: str | os.PathLike[str] | pl.LazyFrame | pl.DataFrame) -> pl.LazyFrame:
@@ -73,14 +81,17 @@ def combine_shards(
     source: str | os.PathLike[str] | pl.LazyFrame | pl.DataFrame,
     *,
     align_on: AlignOn = "sample_id",
+    profile: MetricProfile = DEFAULT_PROFILE,
 ) -> pl.DataFrame:
     """Whole-tensor rows of every sharded tensor (``tensor_path`` ending in ``@S(d)``).
 
     ``source``: a run's ``output_dir`` (read with :func:`~ti_dist.scan_ranks`) or a frame of
     ``ti.history`` rows of every rank (``rank_policy="all"``). One output row per layer, call,
-    signal, tensor path, ``align_on`` value and default metric: ``parameter`` (the name without
-    the placement), ``shape`` (the whole tensor's: the shards' sizes along the sharded dim
-    summed), ``n_ranks``, ``ranks``, ``value`` and ``unavailable_reason`` (null exactly when
+    signal, tensor path, ``align_on`` value and metric of ``profile`` (the declaration whose
+    combination rules apply; the default profile unless a test extends it): ``parameter``
+    (the name without the placement), ``shape`` (the whole tensor's: the shards' sizes along
+    the sharded dim summed), ``n_ranks``, ``ranks``, ``value`` and ``unavailable_reason`` (null
+    exactly when
     ``value`` is not). A tensor is combined only when every rank of the source holds a row for
     it at that sample; otherwise its values are null, naming the missing ranks. Formulas and
     what cannot be combined: this module's docstring.
@@ -88,6 +99,7 @@ def combine_shards(
     if align_on not in ("sample_id", "forward_index"):
         raise ValueError(f"align_on must be 'sample_id' or 'forward_index', got {align_on!r}")
     frame = _frame(source)
+    combined = _combined(profile)
     all_ranks = frame.select(pl.col("rank").unique().sort()).collect()["rank"].to_list()
     key = [*KEY, align_on]
     sharded = frame.filter(pl.col("tensor_path").str.contains(SHARD_PATH)).with_columns(
@@ -103,7 +115,7 @@ def combine_shards(
         pl.col("parameter").first(),
         pl.col("_dim").first(),
         pl.col("shape").first(),
-        *(metric(name) for name in _COMBINED),
+        *(metric(name) for name in combined),
     )
     # One row per tensor and sample, every rank's shard statistics as lists in rank order; the
     # combination itself is a few arithmetic operations per tensor (_combine).
@@ -115,12 +127,14 @@ def combine_shards(
             pl.col("_dim").first(),
             pl.col("rank").alias("ranks"),
             pl.col("shape").alias("shapes"),
-            *(pl.col(name).alias(f"{name}s") for name in _COMBINED),
+            *(pl.col(name).alias(f"{name}s") for name in combined),
         )
         .collect()
     )
     rows = [
-        row for group in grouped.iter_rows(named=True) for row in _combine(group, key, all_ranks)
+        row
+        for group in grouped.iter_rows(named=True)
+        for row in _combine(group, key, all_ranks, profile)
     ]
     schema: dict[str, Any] = {
         "layer": pl.String,
@@ -147,8 +161,11 @@ def _whole_shape(shapes: list[list[int]], dim: int) -> list[int]:
     return whole
 
 
-def _combine(group: dict[str, Any], key: list[str], all_ranks: list[int]) -> list[dict[str, Any]]:
-    """The default-profile rows of one sharded tensor at one sample (module docstring)."""
+def _combine(
+    group: dict[str, Any], key: list[str], all_ranks: list[int], profile: MetricProfile
+) -> list[dict[str, Any]]:
+    """The rows of one sharded tensor at one sample, one per metric of ``profile`` (module
+    docstring)."""
     ranks = [int(r) for r in group["ranks"]]
     shapes = [list(s) for s in group["shapes"]]
     base = {name: group[name] for name in key}
@@ -158,26 +175,23 @@ def _combine(group: dict[str, Any], key: list[str], all_ranks: list[int]) -> lis
         n_ranks=len(ranks),
         ranks=ranks,
     )
-    values: dict[str, float | None] = dict.fromkeys(DEFAULT_METRICS)
-    reasons: dict[str, str] = dict.fromkeys(("p25", "p50", "p75"), QUARTILE_REASON)
-    shards = list(
-        zip(
-            ranks,
-            [math.prod(s) for s in shapes],
-            *(group[f"{name}s"] for name in _COMBINED),
-            strict=True,
-        )
-    )
+    numels = [math.prod(s) for s in shapes]
+    shard_values = [
+        {name: group[f"{name}s"][r] for name in _combined(profile)} for r in range(len(ranks))
+    ]
+    values: dict[str, float | None] = dict.fromkeys(profile.names)
+    reasons: dict[str, str] = {
+        m.name: NOT_COMBINABLE_REASON.format(why=m.not_combinable)
+        for m in profile
+        if m.combine is None
+    }
     missing = [r for r in all_ranks if r not in ranks]
-    # A shard with entries must have every value the formulas use (std only when it has finite
-    # entries); an empty shard contributes nothing and needs nothing.
+    # A shard with entries must have every value the rules use (those over the finite entries
+    # only when it has finite entries); an empty shard contributes nothing and needs nothing.
     lacking = [
         rank
-        for rank, numel, mean, std, low, high, zeros, nonfinite in shards
-        if numel
-        and (
-            zeros is None or nonfinite is None or (nonfinite < 1 and None in (mean, std, low, high))
-        )
+        for rank, numel, shard in zip(ranks, numels, shard_values, strict=True)
+        if numel and any(shard[m] is None for m in _needed(profile, shard))
     ]
     if missing or lacking:
         reason = (
@@ -185,32 +199,9 @@ def _combine(group: dict[str, Any], key: list[str], all_ranks: list[int]) -> lis
             if missing
             else UNAVAILABLE_REASON.format(ranks=lacking)
         )
-        reasons = dict.fromkeys(DEFAULT_METRICS, reason)
+        reasons = dict.fromkeys(profile.names, reason)
     else:
-        entries = sum(numel for _, numel, *_ in shards)
-        finite = [
-            (numel * (1 - nonfinite), mean, std, low, high)
-            for _, numel, mean, std, low, high, _, nonfinite in shards
-            if numel and nonfinite < 1
-        ]
-        if entries:
-            values["zero_fraction"] = sum(n * z for _, n, *_, z, _ in shards if n) / entries
-            values["nonfinite_fraction"] = sum(n * f for _, n, *_, f in shards if n) / entries
-        total = sum(n for n, *_ in finite)
-        if total > 0:
-            mean = sum(n * m for n, m, *_ in finite) / total
-            spread = sum(n * (s * s + (m - mean) ** 2) for n, m, s, _, _ in finite)
-            values.update(
-                mean=mean,
-                std=math.sqrt(spread / total),
-                min=min(low for *_, low, _ in finite),
-                max=max(high for *_, high in finite),
-            )
-        else:
-            reasons.update(dict.fromkeys(("mean", "std", "min", "max"), NO_FINITE_REASON))
-            if not entries:
-                reason = "empty tensor (numel=0)"
-                reasons.update(dict.fromkeys(("zero_fraction", "nonfinite_fraction"), reason))
+        _apply_rules(profile, numels, shard_values, values, reasons)
     return [
         {
             **base,
@@ -218,8 +209,59 @@ def _combine(group: dict[str, Any], key: list[str], all_ranks: list[int]) -> lis
             "value": values[name],
             "unavailable_reason": None if values[name] is not None else reasons[name],
         }
-        for name in DEFAULT_METRICS
+        for name in profile.names
     ]
+
+
+def _needed(profile: MetricProfile, shard: dict[str, Any]) -> list[str]:
+    """The metrics a shard with entries must have for the rules."""
+    has_finite = shard[FINITE_WEIGHT] is not None and shard[FINITE_WEIGHT] < 1
+    return [
+        m.name for m in profile if m.combine is not None and (m.over == "all" or has_finite)
+    ] + [FINITE_WEIGHT]
+
+
+def _apply_rules(
+    profile: MetricProfile,
+    numels: list[int],
+    shards: list[dict[str, Any]],
+    values: dict[str, float | None],
+    reasons: dict[str, str],
+) -> None:
+    """Each metric's declared rule over the shards (which hold every value they need)."""
+    entries = sum(numels)
+    # (finite entries, values) of each shard that has finite entries, in rank order
+    finite = [
+        (numel * (1 - shard[FINITE_WEIGHT]), shard)
+        for numel, shard in zip(numels, shards, strict=True)
+        if numel and shard[FINITE_WEIGHT] < 1
+    ]
+    total = sum(n for n, _ in finite)
+    rules: list[MetricSpec] = [m for m in profile if m.combine is not None]
+    # finite_mean first: a pooled_std reads the combined mean it is pooled around
+    rules.sort(key=lambda m: m.combine != "finite_mean")
+    for m in rules:
+        name = m.name
+        if m.combine == "entry_mean":
+            if entries:
+                values[name] = (
+                    sum(n * s[name] for n, s in zip(numels, shards, strict=True) if n) / entries
+                )
+            else:
+                reasons[name] = EMPTY_REASON
+        elif total <= 0:
+            reasons[name] = NO_FINITE_REASON
+        elif m.combine == "finite_mean":
+            values[name] = sum(n * s[name] for n, s in finite) / total
+        elif m.combine == "pooled_std":
+            center, mean = values[m.pooled_with], m.pooled_with
+            assert center is not None  # combined before, from the same shards
+            spread = sum(n * (s[name] * s[name] + (s[mean] - center) ** 2) for n, s in finite)
+            values[name] = math.sqrt(spread / total)
+        elif m.combine == "min":
+            values[name] = min(s[name] for _, s in finite)
+        elif m.combine == "max":
+            values[name] = max(s[name] for _, s in finite)
 
 
 __all__ = ["QUARTILE_REASON", "SHARD_PATH", "combine_shards"]

@@ -17,6 +17,13 @@ from ti_schema.compat import (
 )
 from ti_schema.errors import MISMATCH_KINDS, Mismatch, MismatchKind, SchemaMismatchError
 from ti_schema.interop import footer_metadata, large_types, polars_write_options
+from ti_schema.metrics import (
+    COMBINE_RULES,
+    DEFAULT_PROFILE,
+    Combine,
+    MetricProfile,
+    MetricSpec,
+)
 from ti_schema.names import (
     DEFAULT_METRICS,
     DEFAULT_SIGNALS,
@@ -47,6 +54,7 @@ from ti_schema.schemas import (
     history_schema,
     schema_metadata,
 )
+from ti_schema.signals import SIGNAL_DECLARATION, SignalDeclaration, SignalSpec
 from ti_schema.sink import (
     Barrier,
     DeclaresCapabilities,
@@ -60,7 +68,9 @@ from ti_schema.validate import type_matches, validate_histograms, validate_histo
 from ti_schema.version import SCHEMA_VERSION
 
 __all__ = [
+    "COMBINE_RULES",
     "DEFAULT_METRICS",
+    "DEFAULT_PROFILE",
     "DEFAULT_SIGNALS",
     "DICTIONARY_COLUMNS",
     "FINITE_METRICS",
@@ -81,11 +91,15 @@ __all__ = [
     "SCHEMA_VERSION",
     "SIGNALS",
     "SIGNAL_ADDED_IN",
+    "SIGNAL_DECLARATION",
     "SIGNAL_DEFINITIONS",
     "UNRECORDABLE_COLUMNS",
     "Barrier",
+    "Combine",
     "DeclaresCapabilities",
     "LayerInfo",
+    "MetricProfile",
+    "MetricSpec",
     "Mismatch",
     "MismatchKind",
     "Mode",
@@ -95,6 +109,8 @@ __all__ = [
     "SchemaMismatchError",
     "SchemaName",
     "Signal",
+    "SignalDeclaration",
+    "SignalSpec",
     "Sink",
     "SinkCapabilities",
     "check_compatible",

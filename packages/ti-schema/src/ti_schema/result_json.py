@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from ti_schema.errors import Mismatch, SchemaMismatchError
-from ti_schema.names import MODES, SIGNALS
+from ti_schema.names import MODES
+from ti_schema.signals import SIGNAL_DECLARATION, SignalDeclaration
 from ti_schema.version import SCHEMA_VERSION
 
 RESULT_JSON: Final[str] = "result.json"
@@ -47,71 +48,77 @@ STATISTIC_KEYS: Final[tuple[str, ...]] = (*COUNT_KEYS, *AGGREGATE_KEYS, "unavail
 
 _COUNT: Final[dict[str, Any]] = {"type": "integer", "minimum": 0}
 
-RESULT_JSON_SCHEMA: Final[dict[str, Any]] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "TorchInstruments result.json",
-    "description": (
-        f"Per-layer aggregates of ti.history {SCHEMA_VERSION}: one record per selected layer, "
-        "executed or not. Aggregates weigh every sample equally; a null aggregate carries a "
-        "reason."
-    ),
-    "type": "array",
-    "items": {"$ref": "#/$defs/layer"},
-    "$defs": {
-        "layer": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": list(LAYER_KEYS),
-            "properties": {
-                "layer": {"type": "string", "description": "qualified name ('' is the root)"},
-                "type": {"type": "string", "description": "class name of the module"},
-                "aliases": {
-                    "type": "array",
-                    "items": {"type": "string"},
-                    "description": "other qualified names of the same module",
-                },
-                "tensors": {"type": "array", "items": {"$ref": "#/$defs/tensor"}},
-            },
-        },
-        "tensor": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": list(TENSOR_KEYS),
-            "properties": {
-                "call_index": _COUNT,
-                "signal": {"enum": list(SIGNALS)},
-                "tensor_path": {"type": "string"},
-                "mode": {"enum": list(MODES)},
-                "grad_enabled": {"type": "boolean"},
-                "latest_shape": {"type": "array", "items": _COUNT},
-                "dtype": {"type": "string"},
-                "statistics": {
-                    "type": "object",
-                    "propertyNames": {"minLength": 1},
-                    "additionalProperties": {"$ref": "#/$defs/statistic"},
-                    "description": "keyed by metric name",
+
+def result_json_schema(signals: SignalDeclaration = SIGNAL_DECLARATION) -> dict[str, Any]:
+    """JSON Schema (draft 2020-12) of result.json whose ``signal`` values are ``signals``'."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "TorchInstruments result.json",
+        "description": (
+            f"Per-layer aggregates of ti.history {SCHEMA_VERSION}: one record per selected layer, "
+            "executed or not. Aggregates weigh every sample equally; a null aggregate carries a "
+            "reason."
+        ),
+        "type": "array",
+        "items": {"$ref": "#/$defs/layer"},
+        "$defs": {
+            "layer": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": list(LAYER_KEYS),
+                "properties": {
+                    "layer": {"type": "string", "description": "qualified name ('' is the root)"},
+                    "type": {"type": "string", "description": "class name of the module"},
+                    "aliases": {
+                        "type": "array",
+                        "items": {"type": "string"},
+                        "description": "other qualified names of the same module",
+                    },
+                    "tensors": {"type": "array", "items": {"$ref": "#/$defs/tensor"}},
                 },
             },
-        },
-        "statistic": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": list(STATISTIC_KEYS),
-            "properties": {
-                **{key: _COUNT for key in COUNT_KEYS},
-                **{key: {"type": ["number", "null"]} for key in AGGREGATE_KEYS},
-                "unavailable_reason": {"type": ["string", "null"]},
+            "tensor": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": list(TENSOR_KEYS),
+                "properties": {
+                    "call_index": _COUNT,
+                    "signal": {"enum": list(signals.names)},
+                    "tensor_path": {"type": "string"},
+                    "mode": {"enum": list(MODES)},
+                    "grad_enabled": {"type": "boolean"},
+                    "latest_shape": {"type": "array", "items": _COUNT},
+                    "dtype": {"type": "string"},
+                    "statistics": {
+                        "type": "object",
+                        "propertyNames": {"minLength": 1},
+                        "additionalProperties": {"$ref": "#/$defs/statistic"},
+                        "description": "keyed by metric name",
+                    },
+                },
             },
-            "allOf": [
-                {
-                    "if": {"properties": {key: {"type": "null"}}, "required": [key]},
-                    "then": {"properties": {"unavailable_reason": {"type": "string"}}},
-                }
-                for key in AGGREGATE_KEYS
-            ],
+            "statistic": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": list(STATISTIC_KEYS),
+                "properties": {
+                    **{key: _COUNT for key in COUNT_KEYS},
+                    **{key: {"type": ["number", "null"]} for key in AGGREGATE_KEYS},
+                    "unavailable_reason": {"type": ["string", "null"]},
+                },
+                "allOf": [
+                    {
+                        "if": {"properties": {key: {"type": "null"}}, "required": [key]},
+                        "then": {"properties": {"unavailable_reason": {"type": "string"}}},
+                    }
+                    for key in AGGREGATE_KEYS
+                ],
+            },
         },
-    },
-}
+    }
+
+
+RESULT_JSON_SCHEMA: Final[dict[str, Any]] = result_json_schema()
 """JSON Schema (draft 2020-12) of result.json; :func:`validate_result_json` checks the same."""
 
 _IDENTIFIER: Final[re.Pattern[str]] = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -129,8 +136,9 @@ def _kind(value: Any) -> str:
 
 
 class _Walker:
-    def __init__(self) -> None:
+    def __init__(self, signals: SignalDeclaration) -> None:
         self.problems: list[Mismatch] = []
+        self.signals = signals.names
 
     def add(self, path: str, message: str) -> None:
         self.problems.append(Mismatch("json", path, message))
@@ -209,7 +217,7 @@ class _Walker:
             return
         if "call_index" in record:
             self.count(record["call_index"], _key_path(path, "call_index"))
-        self.enum(record, "signal", path, SIGNALS)
+        self.enum(record, "signal", path, self.signals)
         self.enum(record, "mode", path, MODES)
         self.string(record, "tensor_path", path)
         self.string(record, "dtype", path)
@@ -268,9 +276,11 @@ def load_strict_json(path: str | os.PathLike[str]) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constants)
 
 
-def result_json_problems(data: Any) -> list[Mismatch]:
+def result_json_problems(
+    data: Any, signals: SignalDeclaration = SIGNAL_DECLARATION
+) -> list[Mismatch]:
     """Every way ``data`` (parsed result.json) breaks the contract; empty when it conforms."""
-    walker = _Walker()
+    walker = _Walker(signals)
     walker.strict(data, "$")
     if isinstance(data, str | bytes):
         walker.add(
@@ -284,12 +294,13 @@ def result_json_problems(data: Any) -> list[Mismatch]:
     return walker.problems
 
 
-def validate_result_json(data: Any) -> None:
+def validate_result_json(data: Any, *, signals: SignalDeclaration = SIGNAL_DECLARATION) -> None:
     """Raise :class:`SchemaMismatchError` listing, by JSON path, every problem of ``data``.
 
     ``data`` is the parsed content of result.json (``json.load``). Checks what
-    :data:`RESULT_JSON_SCHEMA` says, plus strict JSON: float NaN/Infinity anywhere is refused.
+    :data:`RESULT_JSON_SCHEMA` says (:func:`result_json_schema` of ``signals``), plus strict
+    JSON: float NaN/Infinity anywhere is refused.
     """
-    problems = result_json_problems(data)
+    problems = result_json_problems(data, signals)
     if problems:
         raise SchemaMismatchError(RESULT_JSON, problems)

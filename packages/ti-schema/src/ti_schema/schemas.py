@@ -13,6 +13,7 @@ from typing import Final, Literal, get_args
 
 import pyarrow as pa
 
+from ti_schema.signals import SIGNAL_DECLARATION, SignalDeclaration
 from ti_schema.version import SCHEMA_VERSION
 
 METADATA_KEY: Final[bytes] = b"ti"
@@ -62,12 +63,7 @@ _IDENTITY: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
         "0-based order of this module's calls within the sample (shared modules); 0 for the"
         " parameter signals",
     ),
-    (
-        "signal",
-        pa.string(),
-        False,
-        "'output', 'output_gradient', 'parameter', 'parameter_gradient' or 'parameter_update'",
-    ),
+    ("signal", pa.string(), False, ""),  # doc: the declared signals (_signal_doc)
     (
         "tensor_path",
         pa.string(),
@@ -193,12 +189,24 @@ def schema_metadata(
     return {METADATA_KEY: json.dumps(doc, separators=(",", ":")).encode()}
 
 
+def _signal_doc(signals: SignalDeclaration) -> str:
+    """The ``signal`` column's doc: its allowed values, from the declaration."""
+    quoted = [f"'{name}'" for name in signals.names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 def _build(
     columns: tuple[tuple[str, pa.DataType, bool, str], ...],
     metadata: dict[bytes, bytes],
+    signals: SignalDeclaration,
 ) -> pa.Schema:
     fields = [
-        pa.field(col, typ, nullable=nullable, metadata={b"doc": doc.encode()})
+        pa.field(
+            col,
+            typ,
+            nullable=nullable,
+            metadata={b"doc": (_signal_doc(signals) if col == "signal" else doc).encode()},
+        )
         for col, typ, nullable, doc in columns
     ]
     return pa.schema(fields, metadata=metadata)
@@ -210,15 +218,17 @@ def history_schema(
     window: int | None = None,
     upgraded_from: str | None = None,
     unrecorded: Sequence[str] = (),
+    signals: SignalDeclaration = SIGNAL_DECLARATION,
 ) -> pa.Schema:
     """The ``ti.history`` schema: one row per scalar measurement.
 
-    The keyword-only run facts go into the ``ti`` metadata (see :func:`schema_metadata`).
+    The keyword-only run facts go into the ``ti`` metadata (see :func:`schema_metadata`);
+    ``signals``: the declaration whose values the ``signal`` column's doc lists.
     """
     meta = schema_metadata(
         HISTORY, producer, window=window, upgraded_from=upgraded_from, unrecorded=unrecorded
     )
-    return _build(_IDENTITY + _HISTORY_VALUES, meta)
+    return _build(_IDENTITY + _HISTORY_VALUES, meta, signals)
 
 
 def histogram_schema(
@@ -227,12 +237,13 @@ def histogram_schema(
     window: int | None = None,
     upgraded_from: str | None = None,
     unrecorded: Sequence[str] = (),
+    signals: SignalDeclaration = SIGNAL_DECLARATION,
 ) -> pa.Schema:
     """The ``ti.histograms`` schema: one row per histogram of a focus-layer tensor."""
     meta = schema_metadata(
         HISTOGRAMS, producer, window=window, upgraded_from=upgraded_from, unrecorded=unrecorded
     )
-    return _build(_IDENTITY + _HISTOGRAM_VALUES, meta)
+    return _build(_IDENTITY + _HISTOGRAM_VALUES, meta, signals)
 
 
 IDENTITY_COLUMNS: Final[tuple[str, ...]] = tuple(c[0] for c in _IDENTITY)

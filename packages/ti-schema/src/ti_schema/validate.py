@@ -4,14 +4,16 @@ Checked: column names, types, nullability and the ``ti`` schema metadata (with t
 compatibility rule of :mod:`ti_schema.compat`); for tables and batches also the data rules
 (no nulls in not-null columns, ``value``/``unavailable_reason`` exclusivity, ``signal`` and
 ``mode`` domains, the ``signal`` values of the data's own version, histogram bucket
-consistency). Field-level ``doc`` metadata and column order
+consistency; on request the declared fraction metrics in ``[0, 1]``,
+``validate_history(profile=DEFAULT_PROFILE)``). Field-level ``doc`` metadata and column order
 are informative and never checked: engines such as Polars drop the former on a round trip.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Final, Literal
 
 import pyarrow as pa
@@ -19,8 +21,10 @@ import pyarrow.compute as pc
 
 from ti_schema.compat import MetadataSource, read_metadata, version_problems
 from ti_schema.errors import Mismatch, SchemaMismatchError
-from ti_schema.names import MODES, SIGNAL_ADDED_IN, SIGNALS
+from ti_schema.metrics import MetricProfile
+from ti_schema.names import MODES
 from ti_schema.schemas import HISTOGRAMS, HISTORY, SchemaName, histogram_schema, history_schema
+from ti_schema.signals import SIGNAL_DECLARATION, SignalDeclaration
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_MINOR
 
 Nullability = Literal["schema", "data"]
@@ -145,7 +149,9 @@ def _domain(table: pa.Table, column: str, allowed: tuple[str, ...]) -> list[Mism
     ]
 
 
-def _signal_rule(table: pa.Table, version: tuple[int, int] | None) -> list[Mismatch]:
+def _signal_rule(
+    table: pa.Table, version: tuple[int, int] | None, signals: SignalDeclaration
+) -> list[Mismatch]:
     """``signal`` holds the values of the data's own contract version (this reader's when the
     data names none). Data of a newer minor may hold signals this reader does not know yet
     (a minor may add signal values); data of an older minor only those it knew."""
@@ -153,12 +159,12 @@ def _signal_rule(table: pa.Table, version: tuple[int, int] | None) -> list[Misma
     minor = SCHEMA_MINOR if version is None else version[1]
     if minor > SCHEMA_MINOR:
         return []
-    added_in: dict[str, int] = {str(s): m for s, m in SIGNAL_ADDED_IN.items()}
-    allowed = [s for s in SIGNALS if added_in[s] <= minor]
+    added_in = signals.added_in
+    allowed = list(signals.of_minor(minor))
     too_new = sorted(s for s in found if s in added_in and s not in allowed)
     problems = []
-    if found - set(SIGNALS):
-        problems += _domain(table, "signal", SIGNALS)
+    if found - set(signals.names):
+        problems += _domain(table, "signal", signals.names)
     if too_new:
         added = max(added_in[s] for s in too_new)
         problems.append(
@@ -174,11 +180,14 @@ def _signal_rule(table: pa.Table, version: tuple[int, int] | None) -> list[Misma
 
 
 def _common_rules(
-    table: pa.Table, usable: frozenset[str], version: tuple[int, int] | None
+    table: pa.Table,
+    usable: frozenset[str],
+    version: tuple[int, int] | None,
+    signals: SignalDeclaration,
 ) -> list[Mismatch]:
     problems: list[Mismatch] = []
     if "signal" in usable:
-        problems += _signal_rule(table, version)
+        problems += _signal_rule(table, version, signals)
     if "mode" in usable:
         problems += _domain(table, "mode", MODES)
     for column in _NON_NEGATIVE:
@@ -195,10 +204,44 @@ def _common_rules(
     return problems
 
 
+def _fraction_rule(table: pa.Table, profile: MetricProfile) -> list[Mismatch]:
+    """The values of the profile's fraction metrics lie in ``[0, 1]``."""
+    fractions = profile.fractions
+    if not fractions:
+        return []
+    metric = table.column("metric")
+    if pa.types.is_dictionary(metric.type):
+        metric = metric.cast(metric.type.value_type)
+    if not (pa.types.is_string(metric.type) or pa.types.is_large_string(metric.type)):
+        metric = metric.cast(pa.large_string())  # string_view: is_in has no kernel for it
+    value = table.column("value")
+    outside = pc.and_(
+        pc.is_in(metric, value_set=pa.array(fractions, metric.type)),
+        pc.or_(pc.less(value, 0), pc.greater(value, 1)),
+    )
+    count, first = _count_and_first(pc.fill_null(outside, False))
+    if not count:
+        return []
+    return [
+        Mismatch(
+            "data",
+            "column 'value'",
+            f"{count} value(s) of the fraction metrics {list(fractions)}, first at row {first}, "
+            "lie outside [0, 1]",
+        )
+    ]
+
+
 def _history_rules(
-    table: pa.Table, usable: frozenset[str], version: tuple[int, int] | None
+    table: pa.Table,
+    usable: frozenset[str],
+    version: tuple[int, int] | None,
+    profile: MetricProfile | None = None,
+    signals: SignalDeclaration = SIGNAL_DECLARATION,
 ) -> list[Mismatch]:
-    problems = _common_rules(table, usable, version)
+    problems = _common_rules(table, usable, version, signals)
+    if profile is not None and {"metric", "value"} <= usable and table.num_rows:
+        problems += _fraction_rule(table, profile)
     if {"value", "unavailable_reason"} <= usable and table.num_rows:
         value_null = pc.is_null(table.column("value"))
         reason_set = pc.is_valid(table.column("unavailable_reason"))
@@ -216,9 +259,12 @@ def _history_rules(
 
 
 def _histogram_rules(
-    table: pa.Table, usable: frozenset[str], version: tuple[int, int] | None
+    table: pa.Table,
+    usable: frozenset[str],
+    version: tuple[int, int] | None,
+    signals: SignalDeclaration = SIGNAL_DECLARATION,
 ) -> list[Mismatch]:
-    problems = _common_rules(table, usable, version)
+    problems = _common_rules(table, usable, version, signals)
     if not table.num_rows:
         return problems
     if {"bucket_limits", "bucket_counts"} <= usable:
@@ -400,6 +446,8 @@ def validate_history(
     *,
     metadata: MetadataSource = None,
     nullability: Nullability = "schema",
+    profile: MetricProfile | None = None,
+    signals: SignalDeclaration = SIGNAL_DECLARATION,
 ) -> None:
     """Raise :class:`SchemaMismatchError` listing every way the data breaks ``ti.history``.
 
@@ -408,10 +456,18 @@ def validate_history(
     ``polars.read_parquet_metadata(path)`` for a frame read by Polars, which drops it.
     ``nullability``: ``"data"`` accepts not-null columns declared nullable when they hold no
     nulls (tables only), for engines that do not keep Arrow's nullability flag.
+    ``profile``: a metric declaration (e.g. ``DEFAULT_PROFILE``) whose fraction metrics must
+    then lie in ``[0, 1]``; None (default): metric values are not checked, as the contract
+    lets any producer write any metric name;
+    ``signals``: the signal declaration whose values (per contract version) ``signal`` holds.
     """
+    contract = HISTORY_CONTRACT
+    if profile is not None or signals is not SIGNAL_DECLARATION:
+        rules = partial(_history_rules, profile=profile, signals=signals)
+        contract = replace(contract, data_rules=rules)
     problems = problems_for(
         table_or_schema,
-        HISTORY_CONTRACT,
+        contract,
         metadata=metadata,
         nullability=nullability,
         function="validate_history",
@@ -425,14 +481,18 @@ def validate_histograms(
     *,
     metadata: MetadataSource = None,
     nullability: Nullability = "schema",
+    signals: SignalDeclaration = SIGNAL_DECLARATION,
 ) -> None:
     """Raise :class:`SchemaMismatchError` listing every way the data breaks ``ti.histograms``.
 
     Arguments as for :func:`validate_history`.
     """
+    contract = HISTOGRAMS_CONTRACT
+    if signals is not SIGNAL_DECLARATION:
+        contract = replace(contract, data_rules=partial(_histogram_rules, signals=signals))
     problems = problems_for(
         table_or_schema,
-        HISTOGRAMS_CONTRACT,
+        contract,
         metadata=metadata,
         nullability=nullability,
         function="validate_histograms",

@@ -13,16 +13,17 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, overload
+from typing import Any, Final
 
 import numpy as np
 import torch
 
 from ti_core.capture.snapshots import SnapshotPool
-from ti_core.records import Entries, Entry
+from ti_core.entries import Entries, Entry
 from ti_core.reduction import layout
-from ti_core.reduction.histograms import DEFAULT_BINS, HistogramRows, histogram_rows
+from ti_core.reduction.histograms import DEFAULT_BINS, HistogramRows
 from ti_core.reduction.plan import ReductionPlan
+from ti_core.reduction.slots import SlotReduction
 from ti_core.reduction.support import dtype_name
 
 SNAPSHOT_BUDGET_BYTES: Final[int] = 64 * 2**20
@@ -70,7 +71,7 @@ _Columns = tuple[
 class EntryStructure:
     """Entries without their times: the identity columns and the slot of each entry. Built
     once and reused by every later batch whose rows, slots, shapes and dtypes are equal; its
-    token (:attr:`ti_core.records.Entries.key`) names it to the record batches, which then reuse
+    token (:attr:`ti_core.entries.Entries.key`) names it to the record batches, which then reuse
     the identity columns they built for it. Never changed once built; shared across threads."""
 
     __slots__ = ("_histograms", "columns", "slot_of", "token")
@@ -189,7 +190,7 @@ class TensorBatch:
 
     A gradient batch's entries are derived: they take layer, call, path and context from the
     forward entries they answer (:meth:`add_derived`). :meth:`finish` turns the rows into the
-    columns the records are built from (:class:`~ti_core.records.Entries`), on the thread that
+    columns the records are built from (:class:`~ti_core.entries.Entries`), on the thread that
     emits the signal (the emission worker, when it runs).
     """
 
@@ -222,16 +223,9 @@ class TensorBatch:
         self._pick_slot: list[int] = []
         self._pick_stamp: list[int] = []
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
-        self._pending: list[torch.Tensor] = []
-        self._pending_slots: list[int] = []
         self._bytes = 0
-        self._values: list[np.ndarray] = []
-        self._available: list[np.ndarray] = []
-        self._reasons: list[list[str | None]] = []
-        self._reduced_slots: list[int] = []
-        self._errors: list[BaseException] = []
-        self._hist: dict[int, np.ndarray] = {}
-        """Histogram row (``ti_core.reduction.layout``) of each focus slot."""
+        # Ownership: the slots' tensors, once snapshotted, belong to the reduction.
+        self._reduction = SlotReduction(plan, bins, self._slot_focus, self._recycle_snapshots)
         self.host_only = True
         """Every tensor added so far lives in host memory (the emission worker may reduce it)."""
 
@@ -323,8 +317,7 @@ class TensorBatch:
         self._slot_dtype.append(dtype_name(t.dtype))
         if version is not None:
             self._seen[key] = (weakref.ref(tensor), version, slot)
-        self._pending.append(snap)
-        self._pending_slots.append(slot)
+        self._reduction.add(snap, slot)
         if fits:
             self._bytes += nbytes
         else:
@@ -334,49 +327,10 @@ class TensorBatch:
         return slot
 
     def _reduce_pending(self, parallel: bool = False) -> None:
-        if not self._pending:
-            return
-        tensors, slots = self._pending, self._pending_slots
-        self._pending, self._pending_slots, self._bytes = [], [], 0
-        n, m = len(tensors), self._n_metrics
-        try:
-            got = self._plan.reduce(tensors, parallel=parallel)
-            values = np.asarray(got.values, dtype=np.float64).reshape(n, m)
-            available = np.asarray(got.available, dtype=np.bool_).reshape(n, m)
-            reasons = [list(r) for r in got.reasons]
-            self._errors.extend(got.errors)
-            ordered, moments = got.ordered, got.moments
-        except Exception as error:  # reducers promise not to raise; keep the rows if they do
-            values = np.full((n, m), np.nan)
-            available = np.zeros((n, m), dtype=np.bool_)
-            reason = f"reduction failed: {type(error).__name__}: {error}"
-            reasons = [[reason] * m for _ in range(n)]
-            ordered, moments = {}, {}
-            self._errors.append(error)
-        self._values.append(values)
-        self._available.append(available)
-        self._reasons.extend(reasons)
-        self._reduced_slots.extend(slots)
-        focus = [
-            (s, t, ordered.get(k), moments.get(k))
-            for k, (s, t) in enumerate(zip(slots, tensors, strict=True))
-            if self._slot_focus[s]
-        ]
-        if focus:
-            try:
-                hists = histogram_rows(
-                    [t for _, t, _, _ in focus],
-                    bins=self._bins,
-                    ordered=[o for _, _, o, _ in focus],
-                    moments=[known for _, _, _, known in focus],
-                    trusted=True,
-                    parallel=parallel,
-                )
-                self._hist.update(
-                    (s, row) for (s, _, _, _), row in zip(focus, hists.rows, strict=True)
-                )
-            except Exception as error:
-                self._errors.append(error)
+        self._bytes = 0
+        self._reduction.reduce_pending(parallel)
+
+    def _recycle_snapshots(self) -> None:
         if self._pool is not None and self._pooled:
             # every pooled snapshot was pending, and is now reduced: nothing reads it again
             self._pool.recycle(self._pooled)
@@ -415,48 +369,22 @@ class TensorBatch:
         self._seen.clear()
         entries, structure = self._entries()
         m = self._n_metrics
+        reduction = self._reduction
         if structure is None:
-            return Reduced(entries, np.empty((0, m)), np.empty((0, m), np.bool_), [], self._errors)
-        row_of_slot = np.empty(len(self._slot_focus), dtype=np.int64)
-        row_of_slot[np.asarray(self._reduced_slots, dtype=np.int64)] = np.arange(
-            len(self._reduced_slots)
-        )
-        slot_of = structure.slot_of
-        rows = row_of_slot[np.asarray(slot_of, dtype=np.int64)]
-        values = np.concatenate(self._values)[rows]
-        available = np.concatenate(self._available)[rows]
-        reasons = _RowReasons(self._reasons, rows)
-        reduced = Reduced(entries, values, available, reasons, self._errors)
-        if self._hist:
-            hist = self._hist
-            hist_rows, picked = structure.histogram_rows(frozenset(hist), self._focus)
+            return Reduced(
+                entries, np.empty((0, m)), np.empty((0, m), np.bool_), [], reduction.errors
+            )
+        values, available, reasons = reduction.rows(structure.slot_of, len(self._slot_focus))
+        reduced = Reduced(entries, values, available, reasons, reduction.errors)
+        if reduction.histograms:
+            hist_rows, picked = structure.histogram_rows(
+                frozenset(reduction.histograms), self._focus
+            )
             if picked is not None:
-                matrix = np.stack([hist[slot] for slot in picked.slot_of])
-                reduced.histograms = HistogramRows(matrix, self._bins)
+                reduced.histograms = reduction.histogram_matrix(picked.slot_of)
                 stamps = entries.timestamp_us
                 reduced.histogram_entries = picked.entries([stamps[i] for i in hist_rows])
         return reduced
-
-
-class _RowReasons(Sequence[list[str | None]]):
-    """The reasons of each entry, looked up in the reduced rows only when asked (the record
-    batch asks only for entries with a missing value, rarely any)."""
-
-    def __init__(self, by_row: list[list[str | None]], rows: np.ndarray) -> None:
-        self._by_row = by_row
-        self._rows = rows
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @overload
-    def __getitem__(self, i: int) -> list[str | None]: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[list[str | None]]: ...
-    def __getitem__(self, i: int | slice) -> list[str | None] | Sequence[list[str | None]]:
-        if isinstance(i, slice):
-            return [self._by_row[r] for r in self._rows[i].tolist()]
-        return self._by_row[int(self._rows[i])]
 
 
 __all__ = [

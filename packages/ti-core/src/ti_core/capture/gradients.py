@@ -25,10 +25,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ti_core.capture.batch import Row, TensorBatch
 from ti_core.capture.context import now_us
+from ti_core.capture.ended import EndedSignal, SignalTarget
 from ti_core.capture.hooks import HookObject
-from ti_core.errors import ErrorPolicy
-from ti_core.records import Entry, Gaps
+from ti_core.entries import Entry, Gaps
 from ti_core.reduction.support import dtype_name
+from ti_core.stages import stage_of
 
 LEAF_SHARED_REASON: Final[str] = (
     "gradient not captured: the output is a leaf tensor (an input or parameter returned "
@@ -37,20 +38,9 @@ LEAF_SHARED_REASON: Final[str] = (
 )
 
 
-class GradientTarget(Protocol):
-    """What a sample's gradients report to (the observer)."""
-
-    @property
-    def closed(self) -> bool:
-        """True once the observer was removed: later gradients are dropped."""
-        ...
-
-    @property
-    def errors(self) -> ErrorPolicy: ...
-
-    def new_batch(self) -> TensorBatch:
-        """An empty batch for one backward's gradients of one sample."""
-        ...
+class GradientTarget(SignalTarget, Protocol):
+    """What a sample's gradients report to (the observer): a :class:`SignalTarget` that also
+    keeps the hooks on leaf outputs and knows the latest root forward."""
 
     @property
     def leaf_hooks(self) -> LeafHooks:
@@ -59,11 +49,6 @@ class GradientTarget(Protocol):
 
     def forward_started_since(self, forward_index: int) -> bool:
         """Whether a root forward after ``forward_index`` has started (on any thread)."""
-        ...
-
-    def finish_gradients(self, state: GradientState, batch: TensorBatch, gaps: Gaps | None) -> None:
-        """A backward that delivered ``batch`` to ``state``'s sample ended: emit it, and
-        ``gaps`` (entries whose gradient came but is not theirs alone, with the reasons)."""
         ...
 
 
@@ -162,7 +147,7 @@ class GradientState:
                     torch.autograd.Variable._execution_engine.queue_callback(self.flush)
                     self.queued = True
         except Exception as error:
-            target.errors.handle("gradient capture", error)
+            target.errors.handle(stage_of("output_gradient", "capture"), error)
 
     def _add_gaps(self, rows: list[int], tensor: torch.Tensor, reason: str) -> None:
         """Forward entries ``rows`` (which measured ``tensor``) get an unavailable gradient row
@@ -177,7 +162,8 @@ class GradientState:
             )
 
     def flush(self) -> None:
-        """End of a backward: emit the gradients it delivered to this sample."""
+        """End of a backward: emit the gradients it delivered to this sample, and the entries
+        whose gradient came but is not theirs alone (with the reasons)."""
         with self.lock:
             batch, self.batch, self.queued = self.batch, None, False
             gaps, self.gaps = self.gaps, None
@@ -186,7 +172,7 @@ class GradientState:
             return
         if batch is None:
             batch = target.new_batch()
-        target.finish_gradients(self, batch, gaps)
+        target.emit(EndedSignal("output_gradient", self.sample_id, self.forward_index, batch, gaps))
 
     def unanswered(self, hook: GradHook, leaf: torch.Tensor) -> None:
         """``hook``'s ``leaf`` was returned again by a later sampled forward before a backward

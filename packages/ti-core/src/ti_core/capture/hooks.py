@@ -276,9 +276,10 @@ class CallOverride(HookObject):
 
     What the gate installs by default in eager mode (:func:`call_overridable`): a forward hook
     makes torch leave its fast call path for the slow one, which costs about as much again as
-    the capture itself (benchmarks/README.md, issue 16); this keeps the fast path. Torch's
-    ``Module.__call__`` finds it as ``self._call_impl``; a direct ``module.forward(...)`` call
-    does not, so it is not captured, as with a hook. The output captured is the one
+    the capture itself on models of many small modules (docs/capture.md, "How a call is
+    captured"); this keeps the fast path. Torch's ``Module.__call__`` finds it as
+    ``self._call_impl``; a direct ``module.forward(...)`` call does not, so it is not captured,
+    as with a hook. The output captured is the one
     ``module(...)`` returns, after every forward hook of the module.
     """
 

@@ -21,10 +21,12 @@ from typing import Any, Final
 import torch
 
 from ti_core.capture.context import now_us
+from ti_core.capture.ended import EndedSignal, SignalTarget
 from ti_core.capture.hooks import HookObject
-from ti_core.capture.parameter_target import ParameterTarget, add_entry, measured_entry
+from ti_core.capture.measured import add_entry, measured_entry
 from ti_core.capture.sharding import local_tensor
-from ti_core.records import Entry
+from ti_core.entries import Entry, Gaps
+from ti_core.stages import stage_of
 
 GRADIENT_REENTRANT_REASON: Final[str] = (
     "parameter gradient not captured: reentrant activation checkpoint "
@@ -98,7 +100,7 @@ class GradientWatch:
     )
 
     def __init__(
-        self, target: weakref.ref[ParameterTarget], sample_id: int, forward_index: int
+        self, target: weakref.ref[SignalTarget], sample_id: int, forward_index: int
     ) -> None:
         self.target = target
         self.sample_id = sample_id
@@ -186,11 +188,17 @@ class GradientWatch:
                 grad = local_tensor(grad)
                 add_entry(batch, measured_entry(entry, grad, stamp), grad)
             if len(batch) or gaps:
-                target.finish_parameters(
-                    "parameter_gradient", self.sample_id, self.forward_index, batch, gaps
+                target.emit(
+                    EndedSignal(
+                        "parameter_gradient",
+                        self.sample_id,
+                        self.forward_index,
+                        batch,
+                        Gaps.of(gaps),
+                    )
                 )
         except Exception as error:
-            target.errors.handle("parameter gradient capture", error)
+            target.errors.handle(stage_of("parameter_gradient", "capture"), error)
 
     def release(self) -> None:
         """Remove every post-accumulate-grad hook of this watch (idempotent)."""

@@ -28,8 +28,9 @@ from torch import nn
 
 from ti_core.capture.batch import TensorBatch
 from ti_core.capture.context import in_reentrant_checkpoint, now_us
+from ti_core.capture.ended import EndedSignal, SignalTarget
+from ti_core.capture.measured import add_entry
 from ti_core.capture.parameter_gradients import GRADIENT_REENTRANT_REASON, GradientWatch
-from ti_core.capture.parameter_target import ParameterTarget, add_entry
 from ti_core.capture.sharding import is_sharded, local_tensor, parameter_path
 from ti_core.capture.updates import (
     DEFAULT_UPDATE_BUDGET_BYTES,
@@ -37,8 +38,9 @@ from ti_core.capture.updates import (
     UpdateTracker,
     UpdateWindow,
 )
-from ti_core.records import Entry
+from ti_core.entries import Entry, Gaps
 from ti_core.reduction.support import dtype_name
+from ti_core.stages import stage_of
 from ti_schema import PARAMETER_SIGNALS
 
 
@@ -113,7 +115,7 @@ class ParameterCapture:
         self,
         modules: Sequence[nn.Module],
         signals: Sequence[str],
-        target: weakref.ref[ParameterTarget],
+        target: weakref.ref[SignalTarget],
         update_budget_bytes: int = DEFAULT_UPDATE_BUDGET_BYTES,
     ) -> None:
         self.catalog = ParameterCatalog(modules)
@@ -133,15 +135,16 @@ class ParameterCapture:
         return tracker is not None and tracker.waiting
 
     def bind(self, host: OptimizerHookHost) -> None:
-        """Where the optimizer hooks are installed (the gate)."""
+        """Where the optimizer hooks are installed (the gate's ``OptimizerHooks``)."""
         if self.tracker is not None:
             self.tracker.bind(host)
 
-    def start(
-        self, sample_id: int, forward_index: int, values: TensorBatch | None
-    ) -> ParameterSample:
-        """The parameter side of a sampled root forward; ``values`` receives the ``parameter``
-        snapshots (None when that signal is off)."""
+    def start(self, sample_id: int, forward_index: int) -> ParameterSample:
+        """The parameter side of a sampled root forward."""
+        values = None
+        if self.values:
+            target = self._target()
+            values = None if target is None else target.new_batch()
         return ParameterSample(self, sample_id, forward_index, values)
 
     def root_forward(self) -> None:
@@ -157,7 +160,7 @@ class ParameterCapture:
         for watch in list(self._watches):
             watch.release()
 
-    def flush(self) -> list[tuple[UpdateWindow, Sequence[tuple[Entry, str]]]]:
+    def flush(self) -> list[EndedSignal]:
         """At removal, after the hooks: the unavailable rows of the update windows still open
         (the observer emits them before closing its sinks)."""
         return [] if self.tracker is None else self.tracker.close()
@@ -213,7 +216,7 @@ class ParameterSample:
         except Exception as error:
             target = capture._target()
             if target is not None:
-                target.errors.handle("parameter capture", error)
+                target.errors.handle(stage_of("parameter", "capture"), error)
 
     def _record(
         self, layer: int, fresh: Sequence[HeldParameter], train: bool, grad_enabled: bool
@@ -264,12 +267,28 @@ class ParameterSample:
             tracker.open(self._window)
         return self._window
 
-    def forward_done(self) -> tuple[TensorBatch | None, list[tuple[Entry, str]]]:
-        """The root forward returned: the ``parameter`` snapshots and the ``parameter_gradient``
-        coverage gaps. From now on only the autograd graph holds the gradient watch."""
+    def forward_done(self) -> EndedSignal | None:
+        """The root forward returned: the ``parameter`` snapshots with the ``parameter_gradient``
+        coverage gaps, if either holds anything. From now on only the autograd graph holds the
+        gradient watch."""
         self._watch = None
         self._window = None
-        return self._values, self._gaps
+        values, gaps = self._values, self._gaps
+        if values is None and not gaps:
+            return None
+        if values is None:
+            target = self._capture._target()
+            if target is None:
+                return None
+            values = target.new_batch()
+        return EndedSignal(
+            "parameter",
+            self.sample_id,
+            self.forward_index,
+            values,
+            Gaps.of(gaps),
+            gap_signal="parameter_gradient",
+        )
 
 
 __all__ = ["HeldParameter", "ParameterCapture", "ParameterCatalog", "ParameterSample"]

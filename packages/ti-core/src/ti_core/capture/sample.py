@@ -1,16 +1,16 @@
 """One sampled root forward and the recording of each selected module call during it.
 
-Ownership: a :class:`Sample` is created by the gate when a sampled root forward starts, lives in
-the thread-local state of the thread running that forward, and is handed to the observer when
-the root forward returns. Only its gradient state (:mod:`ti_core.capture.gradients`) outlives
-it, on the autograd graph.
+Ownership: a :class:`Sample` is created by the gate when a sampled root forward starts (made by
+the observer), lives in the thread-local state of the thread running that forward, and ends
+when the root forward returns (:meth:`Sample.end`: its forward signals go to its target). Only
+its gradient state (:mod:`ti_core.capture.gradients`) outlives it, on the autograd graph.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Collection
 from typing import Any, Final
 
 import torch
@@ -18,10 +18,13 @@ from torch import nn
 
 from ti_core.capture.batch import TensorBatch
 from ti_core.capture.context import in_reentrant_checkpoint
+from ti_core.capture.ended import EndedSignal
 from ti_core.capture.gradients import GradientState, GradientTarget
 from ti_core.capture.parameters import ParameterSample
 from ti_core.capture.paths import tensor_leaves
-from ti_core.records import Entry, Gaps
+from ti_core.entries import Gaps
+from ti_core.stages import stage_of
+from ti_schema import DEFAULT_SIGNALS
 
 LEAF_REASON: Final[str] = (
     "gradient not captured: the output is a leaf tensor (the module returned an input or "
@@ -34,13 +37,7 @@ REENTRANT_REASON: Final[str] = (
     "(use torch.utils.checkpoint(..., use_reentrant=False))"
 )
 
-
-def as_gaps(gaps: Iterable[tuple[Entry, str]]) -> Gaps:
-    """``(entry, reason)`` pairs (the parameter signals' gaps) as :class:`Gaps`."""
-    result = Gaps()
-    for entry, reason in gaps:
-        result.add(entry, reason)
-    return result
+_EMISSION: Final = stage_of("output", "emission")
 
 
 _time_ns = time.time_ns
@@ -56,8 +53,8 @@ class Sample:
     Python object per call: entries are appended to the batch's columns, the gradient hook is
     shared by every entry of one tensor.
 
-    ``outputs`` / ``output_gradients`` say whether the ``output`` and ``output_gradient``
-    signals are recorded (``inject_observer(signals=)``).
+    ``signals`` are the signals recorded (``inject_observer(signals=)``); this class records
+    ``output`` and ``output_gradient``, and hands the parameter signals to ``parameters``.
     """
 
     __slots__ = (
@@ -70,6 +67,8 @@ class Sample:
         "outputs",
         "parameters",
         "sample_id",
+        "signals",
+        "snapshots",
         "target",
     )
 
@@ -80,8 +79,7 @@ class Sample:
         batch: TensorBatch,
         target: weakref.ref[GradientTarget],
         *,
-        outputs: bool = True,
-        output_gradients: bool = True,
+        signals: Collection[str] = DEFAULT_SIGNALS,
         parameters: ParameterSample | None = None,
     ) -> None:
         self.sample_id = sample_id
@@ -94,8 +92,13 @@ class Sample:
         self.gaps = Gaps()
         """Outputs whose gradient cannot be captured, with the reason."""
         self.gradients: GradientState | None = None
-        self.outputs = outputs
-        self.output_gradients = output_gradients
+        self.signals = frozenset(signals)
+        # Read at every recorded call: derived once from ``signals``.
+        self.outputs = "output" in self.signals
+        self.output_gradients = "output_gradient" in self.signals
+        self.snapshots = self.outputs or self.output_gradients
+        """Whether outputs are snapshot: as the ``output`` rows, or for the gradient rows to
+        take their identity from."""
         self.parameters = parameters
         """The parameter signals of this forward (None when they are off)."""
 
@@ -108,13 +111,13 @@ class Sample:
         if isinstance(output, _Tensor):
             if self.parameters is not None:
                 self.parameters.record_call(layer, module, [("", output)])
-            if self.outputs or self.output_gradients:
+            if self.snapshots:
                 self._record(layer, call, "", bool(module.training), output, _time_ns() // 1000)
             return
         leaves = tensor_leaves(output)
         if self.parameters is not None:
             self.parameters.record_call(layer, module, leaves)
-        if not leaves or not (self.outputs or self.output_gradients):
+        if not leaves or not self.snapshots:
             return
         stamp = _time_ns() // 1000
         train = bool(module.training)
@@ -145,10 +148,35 @@ class Sample:
         elif (tensor.is_floating_point() or tensor.is_complex()) and in_reentrant_checkpoint():
             self.gaps.add(forward.entry(len(forward.rows) - 1), REENTRANT_REASON)
 
-    def forward_done(self) -> None:
-        """The root forward returned: no more gradient hooks will be registered."""
-        if self.gradients is not None:
-            self.gradients.forward_done()
+    def end(self) -> None:
+        """The root forward returned (or raised): no more gradient hooks will be registered;
+        hand its ``output`` signal (with the outputs whose gradient cannot be captured) and its
+        ``parameter`` signal to the target."""
+        target = self.target()
+        if target is None:  # pragma: no cover - the observer holds the gate that holds this
+            return
+        try:
+            if self.gradients is not None:
+                self.gradients.forward_done()
+            if self.outputs or self.gaps:
+                # without the output signal the forward rows exist only for the gradients to
+                # derive their identity from: they are not emitted
+                batch = self.forward if self.outputs else target.new_batch()
+                ended = EndedSignal(
+                    "output",
+                    self.sample_id,
+                    self.forward_index,
+                    batch,
+                    self.gaps,
+                    gap_signal="output_gradient",
+                )
+                target.emit(ended)
+            if self.parameters is not None:
+                parameters = self.parameters.forward_done()
+                if parameters is not None:
+                    target.emit(parameters)
+        except Exception as error:
+            target.errors.handle(_EMISSION, error)
 
 
-__all__ = ["LEAF_REASON", "REENTRANT_REASON", "Sample", "as_gaps"]
+__all__ = ["LEAF_REASON", "REENTRANT_REASON", "Sample"]

@@ -26,10 +26,12 @@ import torch
 
 from ti_core.capture.batch import TensorBatch
 from ti_core.capture.context import now_us
+from ti_core.capture.ended import EndedSignal, SignalTarget
 from ti_core.capture.hooks import HookObject
-from ti_core.capture.parameter_target import ParameterTarget, add_entry, measured_entry
+from ti_core.capture.measured import add_entry, measured_entry
 from ti_core.capture.sharding import local_tensor
-from ti_core.records import Entry
+from ti_core.entries import Entry, Gaps
+from ti_core.stages import stage_of
 
 DEFAULT_UPDATE_BUDGET_BYTES: Final[int] = 256 * 2**20
 """Default of ``inject_observer(update_budget_bytes=)``: bytes of parameter values copied before
@@ -43,6 +45,9 @@ REMOVED_REASON: Final[str] = (
     "parameter update not measured: the observer was removed before an optimizer step "
     "updated this parameter"
 )
+
+
+_CAPTURE: Final = stage_of("parameter_update", "capture")
 
 
 def budget_reason(budget: int, needed: int, held: int) -> str:
@@ -99,7 +104,8 @@ OptimizerHook = Callable[[torch.optim.Optimizer, Any, Any], None]
 
 
 class OptimizerHookHost(Protocol):
-    """Installs and removes the global optimizer step hooks (the gate: it keeps every hook)."""
+    """Installs and removes the global optimizer step hooks (the gate's
+    :class:`~ti_core.optimizer_hooks.OptimizerHooks`)."""
 
     def install_optimizer_hooks(self, pre: OptimizerHook, post: OptimizerHook) -> None:
         """Register ``pre`` and ``post`` for every optimizer's step (no-op when installed)."""
@@ -163,7 +169,7 @@ class UpdateTracker:
     rows naming the budget.
     """
 
-    def __init__(self, target: weakref.ref[ParameterTarget], budget: int) -> None:
+    def __init__(self, target: weakref.ref[SignalTarget], budget: int) -> None:
         self._target = target
         self._budget = budget
         self._host: weakref.ref[OptimizerHookHost] | None = None
@@ -178,11 +184,6 @@ class UpdateTracker:
 
     def bind(self, host: OptimizerHookHost) -> None:
         self._host = weakref.ref(host)
-
-    @property
-    def open_windows(self) -> int:
-        """Windows waiting for an optimizer step (tests, diagnostics)."""
-        return len(self._windows)
 
     # -- windows (training thread, during a sampled forward)
 
@@ -252,7 +253,7 @@ class UpdateTracker:
                         if key in ids and param is not None:
                             self._copy(optimizer, window, key, entry, param)
         except Exception as error:
-            target.errors.handle("parameter update capture", error)
+            target.errors.handle(_CAPTURE, error)
 
     def post_step(self, optimizer: torch.optim.Optimizer) -> None:
         target = self._target()
@@ -289,25 +290,16 @@ class UpdateTracker:
                 self._windows = [w for w in self._windows if w.pending]
                 self.waiting = True  # hooks are removed at the next root forward, not in here
         except Exception as error:
-            target.errors.handle("parameter update capture", error)
+            target.errors.handle(_CAPTURE, error)
         self._emit(target, ready)
 
     def _emit(
         self,
-        target: ParameterTarget,
+        target: SignalTarget,
         ready: Sequence[tuple[UpdateWindow, TensorBatch | None, Sequence[tuple[Entry, str]]]],
     ) -> None:
         for window, batch, gaps in ready:
-            try:
-                target.finish_parameters(
-                    "parameter_update",
-                    window.sample_id,
-                    window.forward_index,
-                    batch if batch is not None else target.new_batch(),
-                    gaps,
-                )
-            except Exception as error:
-                target.errors.handle("parameter update emission", error)
+            target.emit(_ended(window, batch if batch is not None else target.new_batch(), gaps))
 
     # -- closing windows
 
@@ -342,22 +334,32 @@ class UpdateTracker:
                 host.remove_optimizer_hooks()
             self._hooked = False
 
-    def close(self) -> list[tuple[UpdateWindow, Sequence[tuple[Entry, str]]]]:
-        """The observer is removed: no more windows; return the open ones' unavailable rows."""
+    def close(self) -> list[EndedSignal]:
+        """The observer is removed: no more windows; return the open ones' unavailable rows
+        (for the observer to emit before it closes its sinks)."""
+        target = self._target()
         with self._lock:
             self._closed = True
-            left: list[tuple[UpdateWindow, Sequence[tuple[Entry, str]]]] = []
+            left: list[EndedSignal] = []
             for window in self._windows:
                 reason = NO_OPTIMIZER_REASON if window.stepped else REMOVED_REASON
                 gaps = [*window.gaps, *((e, reason) for e, _ in window.pending.values())]
-                if gaps:
-                    left.append((window, gaps))
+                if gaps and target is not None:
+                    left.append(_ended(window, target.new_batch(), gaps))
             self._windows = []
             self._copies.clear()
             self._held = 0
             self.waiting = False
             self._hooked = False  # the gate removes the hooks themselves
         return left
+
+
+def _ended(
+    window: UpdateWindow, batch: TensorBatch, gaps: Sequence[tuple[Entry, str]]
+) -> EndedSignal:
+    return EndedSignal(
+        "parameter_update", window.sample_id, window.forward_index, batch, Gaps.of(gaps)
+    )
 
 
 __all__ = [

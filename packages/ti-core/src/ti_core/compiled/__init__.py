@@ -11,9 +11,12 @@ builds. Modules, from trace time to run time:
 - :mod:`~ti_core.compiled.traced`: what the hooks do while Dynamo traces them: read the
   sampling decision (Dynamo guards on it: one cached graph per decision), walk the output's
   tensors and put the operators into the graph.
-- :mod:`~ti_core.compiled.record`: what ``record_call`` does at run time: the same entries,
-  snapshots, gradient bookkeeping and coverage gaps as eager capture, in the running sample.
+- :mod:`~ti_core.compiled.sites`: the tensor paths of each traced output, numbered at trace
+  time.
 
-The gate (:mod:`ti_core.gate`) owns the decision and every hook; docs/capture.md ("torch.compile")
-says what is supported and what it costs.
+Below :mod:`ti_core.capture` (whose hooks take the traced path), it imports nothing of it:
+what ``record_call`` does at run time (the same entries, snapshots, gradient bookkeeping and
+coverage gaps as eager capture, in the running sample) is :mod:`ti_core.capture.traced_calls`.
+The gate (:mod:`ti_core.gate`) owns the decision and every hook; docs/capture.md
+("torch.compile") says what is supported and what it costs.
 """

@@ -20,8 +20,9 @@ import weakref
 from collections.abc import Callable
 from typing import Protocol
 
+from ti_core.capture.ended import EndedSignal
 from ti_core.emission.worker import EmissionWorker
-from ti_core.emission.writer import EndedSignal, SignalWriter
+from ti_core.emission.writer import SignalWriter
 from ti_core.errors import ErrorPolicy
 
 INLINE_SIGNAL_BYTES: int = 64 * 2**10

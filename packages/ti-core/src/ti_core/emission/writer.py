@@ -6,51 +6,12 @@ rows identical inline and on the emission worker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Final
-
-from ti_core.capture.batch import TensorBatch
+# EndedSignal is capture's hand-over (ti_core.capture.ended), re-exported where it was.
+from ti_core.capture.ended import EndedSignal
 from ti_core.emission.sinks import SinkFanout
 from ti_core.errors import ErrorPolicy
-from ti_core.records import (
-    Gaps,
-    RunColumns,
-    SignalName,
-    histogram_batch,
-    history_batch,
-    unavailable_batch,
-)
-
-_STAGES: Final[dict[SignalName, str]] = {
-    "output": "forward emission",
-    "output_gradient": "gradient emission",
-    "parameter": "parameter emission",
-    "parameter_gradient": "parameter gradient emission",
-    "parameter_update": "parameter update emission",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class EndedSignal:
-    """One sample's signal whose capture is complete (a root forward returned, or a backward
-    that delivered gradients to the sample ended). Holds only what it emits: the snapshots, not
-    the sample (whose gradient state must stay free to go with its autograd graph)."""
-
-    signal: SignalName
-    sample_id: int
-    forward_index: int
-    batch: TensorBatch
-    gaps: Gaps | None = None
-    """Entries without a value in ``gap_signal``, with the reason: outputs or parameters whose
-    gradient cannot be captured (with ``output`` / ``parameter``), parameters whose gradient or
-    update was not measured (with those signals)."""
-    gap_signal: SignalName = "output_gradient"
-    """The signal of the ``gaps`` rows."""
-
-    @property
-    def stage(self) -> str:
-        """How a failure while emitting this signal is named to the error policy."""
-        return _STAGES[self.signal]
+from ti_core.records import RunColumns, histogram_batch, history_batch, unavailable_batch
+from ti_core.stages import REDUCTION
 
 
 class SignalWriter:
@@ -88,11 +49,11 @@ class SignalWriter:
             )
             self._fanout.write_histograms(histograms)
         for error in reduced.errors:
-            self._errors.handle("reduction", error)
+            self._errors.handle(REDUCTION, error)
         if ended.gaps:
             gaps = unavailable_batch(
                 columns,
-                ended.gap_signal,
+                ended.gaps_signal,
                 ended.sample_id,
                 ended.forward_index,
                 ended.gaps.entries,

@@ -1,9 +1,11 @@
 """The column layouts of the reduction engine's rows: the one definition every engine uses.
 
 A **profile row** is what both engines (:mod:`~ti_core.reduction.numpy_rows`,
-:mod:`~ti_core.reduction.torch_rows`) compute for one tensor: the default metrics in
-``ti_schema.DEFAULT_METRICS`` order, then the count of finite entries, which decides on the host
-which metrics are available (:class:`~ti_core.reduction.plan.ReductionPlan`).
+:mod:`~ti_core.reduction.torch_rows`) compute for one tensor: the metrics of a metric
+declaration (``ti_schema.DEFAULT_PROFILE`` unless a test extends it) in its order, then the
+count of finite entries, which decides on the host which metrics are available
+(:class:`~ti_core.reduction.plan.ReductionPlan`). :class:`ProfileLayout` derives the columns
+from the declaration; nothing is numbered by hand.
 
 A **histogram row** is what both engines compute for one focus tensor before it becomes a
 :class:`~ti_core.reduction.histograms.HistogramData`: six moments, then the ``bins + 1`` bucket
@@ -15,42 +17,63 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final, TypeVar
 
-from ti_schema import DEFAULT_METRICS
+from ti_schema import DEFAULT_PROFILE, MetricProfile
 
 # ----------------------------------------------------------------------------- profile row
 
-MEAN: Final = 0
-STD: Final = 1
-MIN: Final = 2
-MAX: Final = 3
-P25: Final = 4
-P50: Final = 5
-P75: Final = 6
-ZERO_FRACTION: Final = 7
-NONFINITE_FRACTION: Final = 8
-FINITE_COUNT: Final = 9
-"""Finite entries of the tensor (a count, not a metric: it decides availability)."""
-WIDTH: Final = 10
-"""Columns of a profile row."""
-
-COLUMNS: Final[tuple[str, ...]] = (*DEFAULT_METRICS, "finite_count")
-"""Name of each profile-row column; the metric columns are ``DEFAULT_METRICS`` in order."""
-
-QUARTILES: Final = slice(P25, P75 + 1)
-"""The order-statistic columns, one per quantile of ``quantiles.QUANTILES``."""
-OVER_FINITE: Final = range(MEAN, P75 + 1)
-"""Metrics over the finite entries, unavailable when a tensor has none (the two fractions are
-over all entries and always reported)."""
+FINITE_COUNT_COLUMN: Final = "finite_count"
+"""The last column of every profile row: finite entries of the tensor (a count, not a metric:
+it decides availability)."""
 
 _T = TypeVar("_T")
 
 
-def in_order(columns: Mapping[int, _T]) -> list[_T]:
-    """The values of every profile-row column, keyed by column, as a list in row order."""
-    missing = [COLUMNS[c] for c in range(WIDTH) if c not in columns]
-    if missing or len(columns) != WIDTH:
-        raise ValueError(f"a profile row needs every column; missing {missing}")
-    return [columns[c] for c in range(WIDTH)]
+class ProfileLayout:
+    """The columns of a profile row, derived from a metric declaration: its metrics in
+    declaration order, then :data:`FINITE_COUNT_COLUMN`."""
+
+    def __init__(self, profile: MetricProfile) -> None:
+        if FINITE_COUNT_COLUMN in profile:
+            raise ValueError(f"{FINITE_COUNT_COLUMN!r} is the layout's own column, not a metric")
+        self.profile = profile
+        self.columns: tuple[str, ...] = (*profile.names, FINITE_COUNT_COLUMN)
+        """Name of each column, in row order."""
+        self.width = len(self.columns)
+        self.finite_count = self.width - 1
+        """Column of the finite count."""
+        self.over_finite: frozenset[int] = frozenset(
+            i for i, m in enumerate(profile) if m.over == "finite"
+        )
+        """Columns of the metrics over the finite entries, unavailable when a tensor has none
+        (metrics over all entries are always reported)."""
+        self._index = {name: i for i, name in enumerate(self.columns)}
+        self.moment_columns: tuple[int, int, int, int] | None = (
+            (self._index["mean"], self._index["std"], self._index["min"], self._index["max"])
+            if {"mean", "std", "min", "max"} <= self._index.keys()
+            else None
+        )
+        """Columns of ``mean``, ``std``, ``min``, ``max`` (what a histogram reuses), or None."""
+
+    def index(self, name: str) -> int:
+        """The column of ``name``; KeyError naming the columns otherwise."""
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"no column {name!r} in the layout {list(self.columns)}") from None
+
+    def in_order(self, columns: Mapping[str, _T]) -> list[_T]:
+        """The values of every column, keyed by name, as a list in row order."""
+        missing = [c for c in self.columns if c not in columns]
+        extra = [c for c in columns if c not in self._index]
+        if missing or extra:
+            raise ValueError(
+                f"a profile row needs every column; missing {missing}, unknown {extra}"
+            )
+        return [columns[c] for c in self.columns]
+
+
+DEFAULT_LAYOUT: Final = ProfileLayout(DEFAULT_PROFILE)
+"""The layout of the default profile (``ti_schema.DEFAULT_PROFILE``)."""
 
 
 # ----------------------------------------------------------------------------- histogram row
@@ -82,8 +105,8 @@ def histogram_counts(bins: int) -> slice:
 
 
 __all__ = [
-    "COLUMNS",
-    "FINITE_COUNT",
+    "DEFAULT_LAYOUT",
+    "FINITE_COUNT_COLUMN",
     "HISTOGRAM_HEAD",
     "H_MAX",
     "H_MIN",
@@ -91,20 +114,8 @@ __all__ = [
     "H_NUM",
     "H_SUM",
     "H_SUM_SQUARES",
-    "MAX",
-    "MEAN",
-    "MIN",
-    "NONFINITE_FRACTION",
-    "OVER_FINITE",
-    "P25",
-    "P50",
-    "P75",
-    "QUARTILES",
-    "STD",
-    "WIDTH",
-    "ZERO_FRACTION",
+    "ProfileLayout",
     "histogram_counts",
     "histogram_edges",
     "histogram_width",
-    "in_order",
 ]

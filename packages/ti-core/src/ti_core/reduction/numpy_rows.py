@@ -2,6 +2,9 @@
 
 The numpy engine of :class:`~ti_core.reduction.plan.ReductionPlan` (CPU tensors, see
 :func:`~ti_core.reduction.support.uses_numpy`). Rows follow :mod:`~ti_core.reduction.layout`.
+Both paths compute what the profile's metrics are made of (:class:`Rows`: counts, moments,
+extremes, quartiles, and the entries themselves), and one function per metric
+(:data:`METRICS`) turns that into the metric's column (:func:`fill`).
 
 - :func:`batched_rows`: small tensors as the rows of one NaN-padded matrix, sorted in place
   (the sorted rows also serve the histograms of the same tensors).
@@ -20,14 +23,15 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Final, TypeVar
 
 import numpy as np
 
-from ti_core.reduction import layout
 from ti_core.reduction.bands import SAMPLE_SEED, SAMPLE_SIZE, sample_span
+from ti_core.reduction.layout import DEFAULT_LAYOUT, ProfileLayout
 from ti_core.reduction.quantiles import QUANTILES, lerp, lerp_array, quantile_positions
 
 BLOCK: Final = 1 << 17
@@ -50,18 +54,80 @@ class Moments:
     squares: float
 
 
-def row_moments(row: np.ndarray, numel: int) -> Moments:
+def row_moments(row: np.ndarray, numel: int, layout: ProfileLayout = DEFAULT_LAYOUT) -> Moments:
     """The moments implied by the profile row of a tensor of ``numel`` entries."""
-    nf = int(row[layout.FINITE_COUNT])
-    mean, std = float(row[layout.MEAN]), float(row[layout.STD])
+    nf = int(row[layout.finite_count])
+    columns = layout.moment_columns
+    if columns is None:
+        raise ValueError(f"a profile row without mean, std, min and max: {layout.columns}")
+    mean_col, std_col, min_col, max_col = columns
+    mean, std = float(row[mean_col]), float(row[std_col])
     return Moments(
-        float(row[layout.MIN]),
-        float(row[layout.MAX]),
+        float(row[min_col]),
+        float(row[max_col]),
         nf,
         numel - nf,
         mean * nf,
         (std * std + mean * mean) * nf,
     )
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What the numpy engine learned about each of ``k`` tensors (one row each), in float64;
+    a metric function (:data:`METRICS`) turns it into that metric's ``(k,)`` column. Over the
+    finite entries, the values of a tensor without any are NaN (the plan marks them
+    unavailable)."""
+
+    numel: np.ndarray
+    """Element counts."""
+    finite: np.ndarray
+    """Finite entries."""
+    zeros: np.ndarray
+    """Entries equal to zero (either sign)."""
+    mean: np.ndarray
+    std: np.ndarray
+    """Population std."""
+    lo: np.ndarray
+    """Smallest finite entry."""
+    hi: np.ndarray
+    """Largest finite entry."""
+    quartiles: np.ndarray
+    """``(k, 3)``: the quantiles of ``quantiles.QUANTILES``, numpy's linear interpolation."""
+    entries: np.ndarray
+    """``(k, w)``: row ``r`` holds tensor ``r``'s entries (in no particular order) in its first
+    ``numel[r]`` places and NaN after them (float32 or float64): for a metric that needs
+    more than the above, at the price of its own pass."""
+
+
+NumpyMetric = Callable[[Rows], np.ndarray]
+"""The numpy engine's function of one metric: :class:`Rows` of ``k`` tensors to ``(k,)``."""
+
+METRICS: Final[Mapping[str, NumpyMetric]] = MappingProxyType(
+    {
+        "mean": lambda r: r.mean,
+        "std": lambda r: r.std,
+        "min": lambda r: r.lo,
+        "max": lambda r: r.hi,
+        "p25": lambda r: r.quartiles[:, 0],
+        "p50": lambda r: r.quartiles[:, 1],
+        "p75": lambda r: r.quartiles[:, 2],
+        "zero_fraction": lambda r: r.zeros / r.numel,
+        "nonfinite_fraction": lambda r: (r.numel - r.finite) / r.numel,
+    }
+)
+"""One function per metric of ``ti_schema.DEFAULT_PROFILE``."""
+
+
+def fill(rows: Rows, layout: ProfileLayout, metrics: Mapping[str, NumpyMetric]) -> np.ndarray:
+    """The ``(k, layout.width)`` profile rows of ``rows``: each metric's function, in layout
+    order, then the finite count. Call it under ``np.errstate(all="ignore")``: a tensor
+    without finite entries gives NaN, which the plan marks unavailable."""
+    out = np.empty((rows.numel.shape[0], layout.width))
+    for column, name in enumerate(layout.profile.names):
+        out[:, column] = metrics[name](rows)
+    out[:, layout.finite_count] = rows.finite
+    return out
 
 
 class _Scratch(threading.local):
@@ -301,7 +367,12 @@ def _scan_blocks(
     return part
 
 
-def reduce_large(a: np.ndarray, parallel: bool = False) -> tuple[np.ndarray, Moments]:
+def reduce_large(
+    a: np.ndarray,
+    parallel: bool = False,
+    layout: ProfileLayout = DEFAULT_LAYOUT,
+    metrics: Mapping[str, NumpyMetric] = METRICS,
+) -> tuple[np.ndarray, Moments]:
     """The exact profile row of a 1-D float32/float64 array, and the moments a histogram of
     the same array needs. ``parallel``: the caller waits for the result (the training thread),
     so the pass may use a helper thread (:func:`in_halves`)."""
@@ -336,11 +407,17 @@ def reduce_large(a: np.ndarray, parallel: bool = False) -> tuple[np.ndarray, Mom
     if template is not None:
         bands = template.finish()
     nf = n - nonfinite
-    row = np.full(layout.WIDTH, math.nan)
-    row[layout.ZERO_FRACTION] = zeros / n
-    row[layout.NONFINITE_FRACTION] = nonfinite / n
-    row[layout.FINITE_COUNT] = nf
+
+    def one(value: float) -> np.ndarray:
+        return np.array([value], dtype=np.float64)
+
+    nan = one(math.nan)
     if nf == 0:
+        rows = Rows(
+            one(n), one(0), one(zeros), nan, nan, nan, nan, np.full((1, 3), math.nan), a[None, :]
+        )
+        with np.errstate(all="ignore"):
+            row = fill(rows, layout, metrics)[0]
         return row, Moments(lo_all, hi_all, 0, nonfinite, 0.0, 0.0)
     mean_shifted = s1 / nf
     var = s2 / nf - mean_shifted * mean_shifted
@@ -351,12 +428,20 @@ def reduce_large(a: np.ndarray, parallel: bool = False) -> tuple[np.ndarray, Mom
         r1, r2 = _centered_sums(a, mean, nonfinite > 0)
         mean, var, total = mean + r1 / nf, r2 / nf - (r1 / nf) ** 2, nf * mean + r1
     var = max(var, 0.0)
-    row[layout.MEAN] = mean
-    row[layout.STD] = math.sqrt(var)
-    row[layout.MIN] = lo_all
-    row[layout.MAX] = hi_all
-    row[layout.QUARTILES] = _quartiles(a, nf, bands)
+    rows = Rows(
+        one(n),
+        one(nf),
+        one(zeros),
+        one(mean),
+        one(math.sqrt(var)),
+        one(lo_all),
+        one(hi_all),
+        np.array([_quartiles(a, nf, bands)], dtype=np.float64),
+        a[None, :],
+    )
     # sum(x^2) = n (var + mean^2): two non-negative terms, no cancellation.
+    with np.errstate(all="ignore"):
+        row = fill(rows, layout, metrics)[0]
     return row, Moments(lo_all, hi_all, nf, nonfinite, total, nf * (var + mean * mean))
 
 
@@ -393,14 +478,18 @@ def _quartiles(a: np.ndarray, nf: int, bands: list[_Band] | None) -> list[float]
     return [lerp(float(finite[lo]), float(finite[hi]), frac) for lo, hi, frac in positions]
 
 
-def batched_rows(x: np.ndarray, numel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def batched_rows(
+    x: np.ndarray,
+    numel: np.ndarray,
+    layout: ProfileLayout = DEFAULT_LAYOUT,
+    metrics: Mapping[str, NumpyMetric] = METRICS,
+) -> tuple[np.ndarray, np.ndarray]:
     """Profile rows of the rows of ``x`` (float32 or float64, NaN-padded; the unpadded lengths
     are ``numel``), one small tensor per row. Sums are in float64.
     ``x`` is scratch: its rows are sorted in place. Also returns the sorted matrix: the first
     ``finite count`` entries of each of its rows are that row's finite values, ascending."""
     k, width = x.shape
     f64 = np.float64
-    out = np.empty((k, layout.WIDTH))
     with np.errstate(all="ignore"):  # rows without finite entries give NaN, masked later
         sums = np.add.reduce(x, axis=1, dtype=f64)
         # Finite sums mean every entry is finite (NaN and inf propagate): the common case,
@@ -417,8 +506,7 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> tuple[np.ndarray, np.ndarr
             d = np.subtract(x, mean[:, None], out=_scratch.take((k, width)))
             d[~finite] = 0.0
             key = np.where(finite, x, x.dtype.type(math.inf))
-        out[:, layout.MEAN] = mean
-        out[:, layout.STD] = np.sqrt(np.einsum("ij,ij->i", d, d) / nf)
+        std = np.sqrt(np.einsum("ij,ij->i", d, d) / nf)
         if width < _SEARCH_ZEROS:
             zeros = np.count_nonzero(x == 0, axis=1)
         key.sort(axis=1)  # numpy's SIMD sort, in place: ``x`` is the caller's scratch matrix
@@ -440,20 +528,29 @@ def batched_rows(x: np.ndarray, numel: np.ndarray) -> tuple[np.ndarray, np.ndarr
         picked = np.take_along_axis(ordered, idx, axis=1).astype(f64)
         q = len(QUANTILES)
         a, b = picked[:, 1 : 1 + q], picked[:, 1 + q :]
-        out[:, layout.MIN] = ordered[:, 0]
-        out[:, layout.MAX] = picked[:, 0]
-        out[:, layout.QUARTILES] = lerp_array(a, b, t)
-        out[:, layout.ZERO_FRACTION] = zeros / numel
-        out[:, layout.NONFINITE_FRACTION] = (numel - nf) / numel
-        out[:, layout.FINITE_COUNT] = nf
-    return out, ordered
+        rows = Rows(
+            numel=numel,
+            finite=nf,
+            zeros=zeros,
+            mean=mean,
+            std=std,
+            lo=ordered[:, 0],
+            hi=picked[:, 0],
+            quartiles=lerp_array(a, b, t),
+            entries=x,
+        )
+        return fill(rows, layout, metrics), ordered
 
 
 __all__ = [
     "BLOCK",
+    "METRICS",
     "PARALLEL_MIN",
     "Moments",
+    "NumpyMetric",
+    "Rows",
     "batched_rows",
+    "fill",
     "in_halves",
     "reduce_large",
     "row_moments",

@@ -20,7 +20,8 @@ from typing import Final
 import numpy as np
 import torch
 
-from ti_core.reduction import layout, numpy_rows, support, torch_rows
+from ti_core.reduction import numpy_rows, support, torch_rows
+from ti_core.reduction.engines import DEFAULT_ENGINES, ProfileEngines
 from ti_core.reduction.numpy_rows import Moments
 from ti_core.reduction.support import EXACT_IN_FLOAT32, dtype_name, flat_float, unsupported_reason
 from ti_schema import DEFAULT_METRICS
@@ -60,9 +61,13 @@ class Reducer:
 
 @dataclass(frozen=True)
 class DefaultProfile:
-    """The built-in batched profile, ``ti_schema.DEFAULT_METRICS`` (or a subset of it)."""
+    """The built-in batched profile, ``ti_schema.DEFAULT_METRICS`` (or a subset of it).
+
+    ``engines``: the metric declaration and its engine functions (a test may pass an extended
+    copy, ``DEFAULT_ENGINES.extended(...)``; ``names`` are then drawn from it)."""
 
     names: tuple[str, ...] = DEFAULT_METRICS
+    engines: ProfileEngines = DEFAULT_ENGINES
 
 
 ReducerSpec = DefaultProfile | Reducer
@@ -125,6 +130,7 @@ class ReductionPlan:
                 "or at least one Reducer"
             )
         names: list[str] = []
+        self.engines = DEFAULT_ENGINES
         self._default_names: tuple[str, ...] = ()
         self._default_cols: list[int] = []  # profile-row column of each emitted default metric
         self._default_out: list[int] = []  # output column of each emitted default metric
@@ -135,15 +141,17 @@ class ReductionPlan:
                     raise ValueError(
                         f"reducers[{i}] repeats DefaultProfile; list the default profile once"
                     )
-                bad = [n for n in spec.names if n not in DEFAULT_METRICS]
+                known = spec.engines.metrics.names
+                bad = [n for n in spec.names if n not in known]
                 if bad or not spec.names or isinstance(spec.names, str):
                     raise ValueError(
                         f"reducers[{i}]: DefaultProfile(names={spec.names!r}) must be a "
-                        f"non-empty tuple drawn from {DEFAULT_METRICS}; unknown: {bad}"
+                        f"non-empty tuple drawn from {known}; unknown: {bad}"
                     )
+                self.engines = spec.engines
                 self._default_names = tuple(spec.names)
                 for n in spec.names:
-                    self._default_cols.append(layout.COLUMNS.index(n))
+                    self._default_cols.append(spec.engines.layout.index(n))
                     self._default_out.append(len(names))
                     names.append(n)
             elif isinstance(spec, Reducer):
@@ -158,9 +166,8 @@ class ReductionPlan:
                     f"reducers[{i}] is a {type(spec).__name__}; each item must be "
                     "DefaultProfile() or Reducer(name, fn)"
                 )
-        self._over_finite = np.array(
-            [c in layout.OVER_FINITE for c in self._default_cols], dtype=bool
-        )
+        over_finite = self.engines.layout.over_finite
+        self._over_finite = np.array([c in over_finite for c in self._default_cols], dtype=bool)
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(
@@ -186,7 +193,7 @@ class ReductionPlan:
         errors: list[BaseException] = []
         out = _Output(values, available, reasons, errors, {}, {})
         with torch.no_grad():
-            pending = _Pending(parallel)
+            pending = _Pending(self.engines, parallel)
             if self._default_names:
                 self._run_default(tensors, pending, out)
             for col, spec in self._custom:
@@ -236,9 +243,14 @@ class ReductionPlan:
                 try:
                     parts = [[tensors[i] for i in part] for part in batch]
                     if support.uses_numpy(device):
-                        pending.add_host_rows(idx, _host_rows(parts, idx, out.ordered))
+                        rows = _host_rows(parts, idx, out.ordered, self.engines)
+                        pending.add_host_rows(idx, rows)
                     else:
-                        pending.add_rows(device, idx, torch_rows.batched_rows(parts, device))
+                        engines = self.engines
+                        rows_t = torch_rows.batched_rows(
+                            parts, device, engines.layout, engines.torch
+                        )
+                        pending.add_rows(device, idx, rows_t)
                 except Exception as exc:
                     self._fail_defaults(out, idx, exc)
 
@@ -257,7 +269,8 @@ class ReductionPlan:
         rows = np.asarray(idx)
         cols = np.asarray(self._default_out)
         vals = block[:, self._default_cols]
-        no_finite = (block[:, layout.FINITE_COUNT] <= 0)[:, None] & self._over_finite[None, :]
+        finite_count = self.engines.layout.finite_count
+        no_finite = (block[:, finite_count] <= 0)[:, None] & self._over_finite[None, :]
         ok = np.isfinite(vals) & ~no_finite
         # + 0.0 writes every zero as +0.0: which of -0.0 and +0.0 an order statistic picks from
         # a tensor holding both depends on the sort or selection code numpy dispatches to for
@@ -322,7 +335,9 @@ def _store_custom(out: _Output, i: int, col: int, name: str, v: float) -> None:
 class _Pending:
     """Device-side results waiting for the single transfer per device."""
 
-    def __init__(self, parallel: bool = False) -> None:
+    def __init__(self, engines: ProfileEngines, parallel: bool = False) -> None:
+        self.engines = engines
+        self.width = engines.layout.width
         self.parallel = parallel
         self.rows: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
         self.host: list[tuple[list[int], np.ndarray]] = []
@@ -337,14 +352,17 @@ class _Pending:
         self.host.append((idx, rows))
 
     def add_large(self, i: int, t: torch.Tensor, out: _Output) -> None:
+        engines = self.engines
         if support.uses_numpy(t.device):
             flat = flat_float(t).numpy()
-            row, out.moments[i] = numpy_rows.reduce_large(flat, self.parallel)
-            self.add_host_rows([i], row.reshape(1, layout.WIDTH))
+            row, out.moments[i] = numpy_rows.reduce_large(
+                flat, self.parallel, engines.layout, engines.numpy
+            )
+            self.add_host_rows([i], row.reshape(1, self.width))
         else:
-            row_t = torch_rows.large_row_optimistic(flat_float(t))
+            row_t = torch_rows.large_row_optimistic(flat_float(t), engines.layout, engines.torch)
             self.retry.add(i)
-            self.add_rows(t.device, [i], row_t.reshape(1, layout.WIDTH))
+            self.add_rows(t.device, [i], row_t.reshape(1, self.width))
 
     def add_custom(self, i: int, col: int, name: str, value: torch.Tensor) -> None:
         self.custom.setdefault(value.device, []).append((i, col, name, value))
@@ -370,14 +388,15 @@ class _Pending:
                 continue
             pos = 0
             for idx, rows in groups:
-                block = host[pos : pos + rows.numel()].reshape(len(idx), layout.WIDTH)
+                block = host[pos : pos + rows.numel()].reshape(len(idx), self.width)
                 pos += rows.numel()
                 plan._fill_default(out, idx, block)
+                finite_count = self.engines.layout.finite_count
                 for k, i in enumerate(idx):
-                    if i in self.retry and block[k, layout.FINITE_COUNT] != tensors[i].numel():
+                    if i in self.retry and block[k, finite_count] != tensors[i].numel():
                         row = _retry_exact(plan, out, i, tensors[i])
                         if row is not None:
-                            plan._fill_default(out, [i], row.reshape(1, layout.WIDTH))
+                            plan._fill_default(out, [i], row.reshape(1, self.width))
             for i, col, name, _ in customs:
                 _store_custom(out, i, col, name, float(host[pos]))
                 pos += 1
@@ -387,7 +406,10 @@ def _retry_exact(plan: ReductionPlan, out: _Output, i: int, t: torch.Tensor) -> 
     # An accelerator tensor with non-finite entries: its optimistic order statistics assumed
     # none, so redo it exactly (this costs extra synchronizations, only in this case).
     try:
-        return torch_rows.large_row_exact(flat_float(t)).cpu().numpy()
+        engines = plan.engines
+        return (
+            torch_rows.large_row_exact(flat_float(t), engines.layout, engines.torch).cpu().numpy()
+        )
     except Exception as exc:
         out.errors.append(exc)
         plan._fail_default(out, i, f"{type(exc).__name__}: {exc}")
@@ -422,6 +444,7 @@ def _host_rows(
     parts: list[list[torch.Tensor]],
     idx: Sequence[int],
     ordered: dict[int, tuple[np.ndarray, Moments]],
+    engines: ProfileEngines,
 ) -> np.ndarray:
     """Default-profile rows of small CPU tensors, reduced together with numpy in float64.
 
@@ -453,11 +476,14 @@ def _host_rows(
         if w < width:
             x[row : row + len(part), w:] = math.nan
         row += len(part)
-    rows, keys = numpy_rows.batched_rows(x, np.asarray(lengths, dtype=np.float64))
-    finite = rows[:, layout.FINITE_COUNT].astype(np.intp).tolist()
+    lay = engines.layout
+    rows, keys = numpy_rows.batched_rows(
+        x, np.asarray(lengths, dtype=np.float64), lay, engines.numpy
+    )
+    finite = rows[:, lay.finite_count].astype(np.intp).tolist()
     r = 0
     for part, w in zip(parts, widths, strict=True):
         for _ in part:
-            ordered[idx[r]] = (keys[r, : finite[r]], numpy_rows.row_moments(rows[r], w))
+            ordered[idx[r]] = (keys[r, : finite[r]], numpy_rows.row_moments(rows[r], w, lay))
             r += 1
     return rows

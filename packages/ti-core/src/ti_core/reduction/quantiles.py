@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 QUANTILES: Final[tuple[float, ...]] = (0.25, 0.5, 0.75)
-"""The quantiles of the ``p25``, ``p50``, ``p75`` columns (:data:`layout.QUARTILES`)."""
+"""The quantiles of the ``p25``, ``p50``, ``p75`` metrics (``Rows.quartiles`` of both engines)."""
 
 
 def quantile_positions(n: int) -> list[tuple[int, int, float]]:

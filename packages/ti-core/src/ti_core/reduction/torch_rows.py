@@ -8,20 +8,84 @@ synchronizes with the host until the plan's single transfer per device, except
 - :func:`large_row_optimistic`: a large tensor, assuming every entry is finite (``kthvalue``
   on the raw values); the plan checks the finite count after the transfer and, when it is not
   the element count, redoes the tensor with :func:`large_row_exact`.
+
+Each path computes what the profile's metrics are made of (:class:`Rows`), and one function
+per metric (:data:`METRICS`) turns that into the metric's column (:func:`fill`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final
 
 import torch
 
-from ti_core.reduction import layout
 from ti_core.reduction import torch_select as sel
+from ti_core.reduction.layout import DEFAULT_LAYOUT, ProfileLayout
 from ti_core.reduction.quantiles import QUANTILES, lerp_tensor, quantile_positions
 
 
-def batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
+@dataclass(frozen=True)
+class Rows:
+    """What the torch engine learned about each of ``k`` tensors (one row each): float64
+    ``(k,)`` tensors on the tensors' device; a metric function (:data:`METRICS`) turns it into
+    that metric's ``(k,)`` column. As :class:`ti_core.reduction.numpy_rows.Rows`."""
+
+    numel: torch.Tensor
+    finite: torch.Tensor
+    zeros: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    quartiles: torch.Tensor
+    """``(k, 3)``."""
+    entries: torch.Tensor
+    """``(k, w)``: tensor ``r``'s entries in the first ``numel[r]`` places of row ``r``, NaN
+    after them (any float dtype)."""
+
+
+TorchMetric = Callable[[Rows], torch.Tensor]
+"""The torch engine's function of one metric: :class:`Rows` of ``k`` tensors to ``(k,)``."""
+
+METRICS: Final[Mapping[str, TorchMetric]] = MappingProxyType(
+    {
+        "mean": lambda r: r.mean,
+        "std": lambda r: r.std,
+        "min": lambda r: r.lo,
+        "max": lambda r: r.hi,
+        "p25": lambda r: r.quartiles[:, 0],
+        "p50": lambda r: r.quartiles[:, 1],
+        "p75": lambda r: r.quartiles[:, 2],
+        "zero_fraction": lambda r: r.zeros / r.numel,
+        "nonfinite_fraction": lambda r: (r.numel - r.finite) / r.numel,
+    }
+)
+"""One function per metric of ``ti_schema.DEFAULT_PROFILE``."""
+
+
+def fill(rows: Rows, layout: ProfileLayout, metrics: Mapping[str, TorchMetric]) -> torch.Tensor:
+    """The ``(k, layout.width)`` float64 profile rows of ``rows``, on their device."""
+    columns = [metrics[name](rows).to(torch.float64) for name in layout.profile.names]
+    return torch.stack([*columns, rows.finite], dim=1)
+
+
+def _one(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """``value`` as a float64 ``(1,)`` tensor on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float64).reshape(1)
+    return torch.tensor([value], dtype=torch.float64, device=device)
+
+
+def batched_rows(
+    parts: list[list[torch.Tensor]],
+    device: torch.device,
+    layout: ProfileLayout = DEFAULT_LAYOUT,
+    metrics: Mapping[str, TorchMetric] = METRICS,
+) -> torch.Tensor:
     """Profile rows of same-device small tensors, reduced together in float64 on the device.
 
     Each part holds tensors of one shape and dtype; the parts become the rows of one matrix,
@@ -38,10 +102,15 @@ def batched_rows(parts: list[list[torch.Tensor]], device: torch.device) -> torch
         blocks.append(block)
     x = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     numel = torch.tensor(lengths, dtype=torch.float64).to(device, non_blocking=True)
-    return _matrix_rows(x, numel)
+    return _matrix_rows(x, numel, layout, metrics)
 
 
-def _matrix_rows(x: torch.Tensor, numel: torch.Tensor) -> torch.Tensor:
+def _matrix_rows(
+    x: torch.Tensor,
+    numel: torch.Tensor,
+    layout: ProfileLayout,
+    metrics: Mapping[str, TorchMetric],
+) -> torch.Tensor:
     """Profile rows of the rows of the NaN-padded float64 matrix ``x`` (unpadded lengths
     ``numel``): :func:`ti_core.reduction.numpy_rows.batched_rows` in torch."""
     f64 = torch.float64
@@ -62,28 +131,25 @@ def _matrix_rows(x: torch.Tensor, numel: torch.Tensor) -> torch.Tensor:
         ranks += [lo, torch.minimum(lo + 1, last)]
         fracs.append(pos - lo)
     picked = ordered.gather(1, torch.stack(ranks, dim=1).long())
-    p25, p50, p75 = (
-        lerp_tensor(picked[:, 1 + 2 * j], picked[:, 2 + 2 * j], frac)
-        for j, frac in enumerate(fracs)
+    quartiles = torch.stack(
+        [
+            lerp_tensor(picked[:, 1 + 2 * j], picked[:, 2 + 2 * j], frac)
+            for j, frac in enumerate(fracs)
+        ],
+        dim=1,
     )
-    columns = {
-        layout.MEAN: mean,
-        layout.STD: std,
-        layout.MIN: ordered[:, 0],
-        layout.MAX: picked[:, 0],
-        layout.P25: p25,
-        layout.P50: p50,
-        layout.P75: p75,
-        layout.ZERO_FRACTION: zeros / numel,
-        layout.NONFINITE_FRACTION: (numel - nf) / numel,
-        layout.FINITE_COUNT: nf,
-    }
-    return torch.stack(layout.in_order(columns), dim=1)
+    rows = Rows(numel, nf, zeros, mean, std, ordered[:, 0], picked[:, 0], quartiles, x)
+    return fill(rows, layout, metrics)
 
 
-def large_row_exact(x: torch.Tensor) -> torch.Tensor:
+def large_row_exact(
+    x: torch.Tensor,
+    layout: ProfileLayout = DEFAULT_LAYOUT,
+    metrics: Mapping[str, TorchMetric] = METRICS,
+) -> torch.Tensor:
     """The profile row of a large 1-D float tensor, deciding on the host."""
     f64 = torch.float64
+    dev = x.device
     n = x.numel()
     nonzero = torch.count_nonzero(x)
     mn, mx = torch.aminmax(x)
@@ -94,40 +160,44 @@ def large_row_exact(x: torch.Tensor) -> torch.Tensor:
         nf = v.numel()
         if nf:
             mn, mx = torch.aminmax(v)
-    fractions = {
-        layout.ZERO_FRACTION: ((n - nonzero.to(f64)) / n).to(x.device),
-        layout.NONFINITE_FRACTION: torch.tensor((n - nf) / n, dtype=f64, device=x.device),
-        layout.FINITE_COUNT: torch.tensor(float(nf), dtype=f64, device=x.device),
-    }
+    counts = (_one(n, dev), _one(float(nf), dev), _one(n - nonzero.to(f64), dev))
     if nf == 0:
-        nan = torch.tensor(math.nan, dtype=f64, device=x.device)
-        return torch.stack(layout.in_order({**dict.fromkeys(layout.OVER_FINITE, nan), **fractions}))
+        nan = _one(math.nan, dev)
+        quartiles = torch.full((1, 3), math.nan, dtype=f64, device=dev)
+        rows = Rows(*counts, nan, nan, nan, nan, quartiles, x[None, :])
+        return fill(rows, layout, metrics).reshape(-1)
     mean = sel.sum64(v) / nf
     std = torch.sqrt(sel.centered_sum_squares64(v, mean) / nf)
     positions = quantile_positions(nf)
     ranks = [r for lo, hi, _ in positions for r in (lo, hi)]
     stats = sel.order_statistics(v, ranks)
-    p25, p50, p75 = (
-        lerp_tensor(stats[2 * j], stats[2 * j + 1], frac)
-        for j, (_, _, frac) in enumerate(positions)
+    quartiles = torch.stack(
+        [
+            lerp_tensor(stats[2 * j], stats[2 * j + 1], frac)
+            for j, (_, _, frac) in enumerate(positions)
+        ]
+    ).reshape(1, -1)
+    rows = Rows(
+        *counts,
+        _one(mean, dev),
+        _one(std, dev),
+        _one(mn, dev),
+        _one(mx, dev),
+        quartiles.to(f64),
+        x[None, :],
     )
-    columns = {
-        layout.MEAN: mean,
-        layout.STD: std,
-        layout.MIN: mn.to(f64),
-        layout.MAX: mx.to(f64),
-        layout.P25: p25,
-        layout.P50: p50,
-        layout.P75: p75,
-        **fractions,
-    }
-    return torch.stack(layout.in_order(columns))
+    return fill(rows, layout, metrics).reshape(-1)
 
 
-def large_row_optimistic(x: torch.Tensor) -> torch.Tensor:
+def large_row_optimistic(
+    x: torch.Tensor,
+    layout: ProfileLayout = DEFAULT_LAYOUT,
+    metrics: Mapping[str, TorchMetric] = METRICS,
+) -> torch.Tensor:
     """Device-only profile row of a large 1-D float tensor whose order statistics assume every
     entry is finite (the plan checks the finite count after the transfer, redoes it if not)."""
     f64 = torch.float64
+    dev = x.device
     n = x.numel()
     finite = torch.isfinite(x)
     nf = finite.sum().to(f64)
@@ -146,20 +216,26 @@ def large_row_optimistic(x: torch.Tensor) -> torch.Tensor:
         a = torch.kthvalue(x, lo + 1).values.to(f64)
         b = torch.kthvalue(x, hi + 1).values.to(f64) if hi != lo else a
         quants.append(lerp_tensor(a, b, frac))
-    p25, p50, p75 = quants
-    columns = {
-        layout.MEAN: mean,
-        layout.STD: std,
-        layout.MIN: mn,
-        layout.MAX: mx,
-        layout.P25: p25,
-        layout.P50: p50,
-        layout.P75: p75,
-        layout.ZERO_FRACTION: (x == 0).sum().to(f64) / n,
-        layout.NONFINITE_FRACTION: (n - nf) / n,
-        layout.FINITE_COUNT: nf,
-    }
-    return torch.stack(layout.in_order(columns))
+    rows = Rows(
+        _one(n, dev),
+        _one(nf, dev),
+        _one((x == 0).sum(), dev),
+        _one(mean, dev),
+        _one(std, dev),
+        _one(mn, dev),
+        _one(mx, dev),
+        torch.stack(quants).reshape(1, -1).to(f64),
+        x[None, :],
+    )
+    return fill(rows, layout, metrics).reshape(-1)
 
 
-__all__ = ["batched_rows", "large_row_exact", "large_row_optimistic"]
+__all__ = [
+    "METRICS",
+    "Rows",
+    "TorchMetric",
+    "batched_rows",
+    "fill",
+    "large_row_exact",
+    "large_row_optimistic",
+]

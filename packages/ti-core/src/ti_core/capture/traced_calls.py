@@ -1,9 +1,11 @@
-"""What ``record_call`` does at run time: one call of a selected module, recorded as eager does.
+"""One call of a selected module in a compiled graph, recorded at run time as eager capture does.
 
-The same rows in the sample's :class:`~ti_core.capture.batch.TensorBatch`, gradient
-bookkeeping in its :class:`~ti_core.capture.gradients.GradientState` and coverage gaps as
-:meth:`ti_core.capture.sample.Sample.record`, so reduction and emission are unchanged. Two
-differences, both forced by compiled code:
+What the ``ti::record_call`` operator (:mod:`ti_core.compiled.operators`) does, through the
+gate, in the running sample: the same rows in its :class:`~ti_core.capture.batch.TensorBatch`,
+gradient bookkeeping in its :class:`~ti_core.capture.gradients.GradientState` and coverage gaps
+as :meth:`~ti_core.capture.sample.Sample.record`, so reduction and emission are unchanged. It
+lives in capture, next to that method; :mod:`ti_core.compiled` (trace time and the operators)
+sits below capture and knows nothing of samples. Two differences, both forced by compiled code:
 
 - every tensor is handed to the batch as a fresh ``detach()`` alias: inductor reuses buffers
   and its kernels write through raw pointers without bumping ``_version``, so the batch's
@@ -15,7 +17,6 @@ differences, both forced by compiled code:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Final
 
@@ -31,27 +32,6 @@ NESTED_REASON: Final[str] = (
     "gradient not captured: activation checkpoint inside a compiled graph (the output is "
     "recorded; torch.compile cannot save what binds its gradient to the sample there)"
 )
-
-
-class Sites:
-    """The tensor paths of each traced output, numbered at trace time (shared by threads)."""
-
-    def __init__(self) -> None:
-        self._numbers: dict[tuple[str, ...], int] = {}
-        self._paths: list[tuple[str, ...]] = []
-        self._lock = threading.Lock()
-
-    def intern(self, paths: tuple[str, ...]) -> int:
-        """The number of ``paths`` (stable: the same paths always get the same number)."""
-        with self._lock:
-            number = self._numbers.get(paths)
-            if number is None:
-                number = self._numbers[paths] = len(self._paths)
-                self._paths.append(paths)
-            return number
-
-    def paths(self, number: int) -> tuple[str, ...]:
-        return self._paths[number]
 
 
 def record_traced_call(
@@ -97,4 +77,4 @@ def record_traced_call(
     return hooks
 
 
-__all__ = ["NESTED_REASON", "Sites", "record_traced_call"]
+__all__ = ["NESTED_REASON", "record_traced_call"]

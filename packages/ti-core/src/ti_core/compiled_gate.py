@@ -1,0 +1,140 @@
+"""The gate's side of the runtime protocol with compiled graphs (:mod:`ti_core.compiled`).
+
+Under ``torch.compile`` the hooks are traced (:mod:`ti_core.compiled.traced`): at trace time
+they call :meth:`~ti_core.gate.Gate.enter_compiled_mode` and :meth:`CompiledGate.intern_paths`;
+at run time the ``ti::`` operators in the graphs call the ``compiled_*`` methods here. Where the
+root's own hooks are traced into the graph (``COMPILED_AHEAD``), no Python runs before a root
+forward, so its decision is taken when the previous one ends: :meth:`CompiledGate.decide_ahead`,
+read back by :meth:`CompiledGate.take_ahead`.
+
+:class:`CompiledGate` is a base of :class:`~ti_core.gate.Gate` (one object is the compiled
+target, the capture target and the state machine); it reads the gate's state through the
+attributes declared below and never changes the state itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from ti_core.capture.context import in_backward
+from ti_core.capture.gradients import GradHook
+from ti_core.capture.sample import Sample
+from ti_core.capture.traced_calls import record_traced_call
+from ti_core.compiled.operators import TraceFlags
+from ti_core.compiled.sites import Sites
+from ti_core.errors import ErrorPolicy
+from ti_core.root_nesting import ThreadRoots
+from ti_core.sampling import Sampler
+from ti_core.stages import SAMPLING, stage_of
+
+_OUTPUT_CAPTURE = stage_of("output", "capture")
+
+
+class CompiledGate:
+    """The ``CompiledTarget`` of :mod:`ti_core.compiled.operators`, and the decision taken
+    ahead."""
+
+    # Owned by the gate (set in its __init__).
+    _local: ThreadRoots
+    _lock: threading.Lock
+    _errors: ErrorPolicy
+    _sampler: Sampler
+    _counter: itertools.count[int]
+    _flags: TraceFlags
+    _sites: Sites
+    _ahead: tuple[int, bool] | None
+    _latest: int
+
+    if TYPE_CHECKING:
+
+        @property
+        def closed(self) -> bool: ...
+
+        def _start_sample(self, local: ThreadRoots, index: int) -> None: ...
+
+        def _end_sample(self, sample: Sample) -> None: ...
+
+    # ------------------------------------------------------------------ the decision, ahead
+
+    def decide_ahead(self) -> None:
+        """Decide the next root forward now, and tell the compiled graphs."""
+        try:
+            index = next(self._counter)
+            sampled = bool(self._sampler.should_sample(index))
+        except Exception as error:
+            sampled = False
+            self._errors.handle(SAMPLING, error)
+        self._ahead = (index, sampled)
+        self._flags.sampled = sampled
+
+    def take_ahead(self) -> tuple[int, bool]:
+        """This root forward's decision, taken ahead (or now, when another thread took it)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            return ahead
+        index = next(self._counter)
+        return index, bool(self._sampler.should_sample(index))
+
+    # ------------------------------------------------------------------ trace time
+
+    def intern_paths(self, paths: tuple[str, ...]) -> int:
+        return self._sites.intern(paths)
+
+    # ------------------------------------------------------------------ run time (operators)
+
+    def compiled_begin(self) -> None:
+        if self.closed or in_backward() or self._local.sample is not None:
+            return
+        if self._errors.has_deferred:
+            self._errors.report_deferred()
+        try:
+            index, sampled = self.take_ahead()
+            self._latest = index
+            if sampled:
+                self._start_sample(self._local, index)
+        except Exception as error:
+            self._errors.handle(SAMPLING, error)
+
+    def compiled_end(self) -> None:
+        if in_backward():
+            return
+        local = self._local
+        sample, local.sample = local.sample, None
+        if sample is not None:
+            self._end_sample(sample)
+        if not self.closed:
+            self.decide_ahead()
+
+    def compiled_advance(self) -> None:
+        if self.closed or in_backward():
+            return
+        if self._ahead is None:
+            next(self._counter)  # another thread took this forward's decision: count it
+        self._ahead = None
+        self.decide_ahead()
+
+    def compiled_record(
+        self,
+        tensors: list[torch.Tensor],
+        layer: int,
+        site: int,
+        train: bool,
+        grad_enabled: bool,
+        kinds: list[int],
+    ) -> list[GradHook | None] | None:
+        sample = self._local.sample
+        if sample is None or in_backward():
+            return None
+        try:
+            paths = self._sites.paths(site)
+            return record_traced_call(sample, layer, paths, tensors, train, grad_enabled, kinds)
+        except Exception as error:
+            self._errors.handle(_OUTPUT_CAPTURE, error)
+            return None
+
+
+__all__ = ["CompiledGate"]
