@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Final, Literal
 
 Over = Literal["finite", "all"]
@@ -104,7 +105,7 @@ class MetricProfile:
     def __contains__(self, name: object) -> bool:
         return any(m.name == name for m in self.metrics)
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.metrics)
 

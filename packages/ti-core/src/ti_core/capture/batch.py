@@ -317,7 +317,9 @@ class TensorBatch:
         self._slot_dtype.append(dtype_name(t.dtype))
         if version is not None:
             self._seen[key] = (weakref.ref(tensor), version, slot)
-        self._reduction.add(snap, slot)
+        reduction = self._reduction  # SlotReduction.add, inlined: it runs for every slot
+        reduction.pending.append(snap)
+        reduction.pending_slots.append(slot)
         if fits:
             self._bytes += nbytes
         else:

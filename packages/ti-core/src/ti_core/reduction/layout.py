@@ -36,6 +36,8 @@ class ProfileLayout:
         if FINITE_COUNT_COLUMN in profile:
             raise ValueError(f"{FINITE_COUNT_COLUMN!r} is the layout's own column, not a metric")
         self.profile = profile
+        self.metrics: tuple[str, ...] = profile.names
+        """The metric columns' names, in row order (the first ``width - 1`` columns)."""
         self.columns: tuple[str, ...] = (*profile.names, FINITE_COUNT_COLUMN)
         """Name of each column, in row order."""
         self.width = len(self.columns)

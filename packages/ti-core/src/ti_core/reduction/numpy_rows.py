@@ -124,7 +124,7 @@ def fill(rows: Rows, layout: ProfileLayout, metrics: Mapping[str, NumpyMetric]) 
     order, then the finite count. Call it under ``np.errstate(all="ignore")``: a tensor
     without finite entries gives NaN, which the plan marks unavailable."""
     out = np.empty((rows.numel.shape[0], layout.width))
-    for column, name in enumerate(layout.profile.names):
+    for column, name in enumerate(layout.metrics):
         out[:, column] = metrics[name](rows)
     out[:, layout.finite_count] = rows.finite
     return out

@@ -37,8 +37,11 @@ class SlotReduction:
         self._on_reduced = on_reduced
         """Called after each reduction: every tensor added before it is no longer read."""
         self._n_metrics = len(plan.metric_names)
-        self._pending: list[torch.Tensor] = []
-        self._pending_slots: list[int] = []
+        self.pending: list[torch.Tensor] = []
+        """Tensors waiting for :meth:`reduce_pending` (the caller appends to it and to
+        :attr:`pending_slots` together, one call less per tensor on the capture path)."""
+        self.pending_slots: list[int] = []
+        """The slot of each of :attr:`pending`."""
         self._values: list[np.ndarray] = []
         self._available: list[np.ndarray] = []
         self._reasons: list[list[str | None]] = []
@@ -49,15 +52,15 @@ class SlotReduction:
 
     def add(self, tensor: torch.Tensor, slot: int) -> None:
         """Queue ``tensor`` (its snapshot, or the tensor itself) as the value of ``slot``."""
-        self._pending.append(tensor)
-        self._pending_slots.append(slot)
+        self.pending.append(tensor)
+        self.pending_slots.append(slot)
 
     def reduce_pending(self, parallel: bool = False) -> None:
         """Reduce every queued tensor, and count the histograms of the focus slots."""
-        if not self._pending:
+        if not self.pending:
             return
-        tensors, slots = self._pending, self._pending_slots
-        self._pending, self._pending_slots = [], []
+        tensors, slots = self.pending, self.pending_slots
+        self.pending, self.pending_slots = [], []
         n, m = len(tensors), self._n_metrics
         try:
             got = self._plan.reduce(tensors, parallel=parallel)

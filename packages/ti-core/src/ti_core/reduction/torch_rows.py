@@ -69,7 +69,7 @@ METRICS: Final[Mapping[str, TorchMetric]] = MappingProxyType(
 
 def fill(rows: Rows, layout: ProfileLayout, metrics: Mapping[str, TorchMetric]) -> torch.Tensor:
     """The ``(k, layout.width)`` float64 profile rows of ``rows``, on their device."""
-    columns = [metrics[name](rows).to(torch.float64) for name in layout.profile.names]
+    columns = [metrics[name](rows).to(torch.float64) for name in layout.metrics]
     return torch.stack([*columns, rows.finite], dim=1)
 
 
