@@ -1,4 +1,4 @@
-"""Outputs-only vs all five signals (issue 15), and wandb.watch on the same training step.
+"""Outputs-only vs all five signals, and wandb.watch on the same training step.
 
 For each workload (``sequence``, ``transformer`` from ``workloads.py``: model and input) the
 step is a full training step: ``zero_grad(set_to_none=True)``, forward, backward of

@@ -1,4 +1,4 @@
-"""TorchInstruments benchmark harness (issues 7 and 16): the observer's cost against the bare step.
+"""TorchInstruments benchmark harness: the observer's cost against the bare step.
 
 Every configuration runs in its own fresh process (benchmarks/worker.py) with one intra-op
 thread. Configurations: ``bare`` (no observer), ``unsampled`` (attached; the one sampled first
@@ -8,11 +8,11 @@ configurations run in ``--rounds`` interleaved rounds (alternately forward and r
 a fresh process each per round; a ratio is the median over rounds of the configuration's time
 over the same round's bare time, so a drift of the machine's speed over minutes mostly cancels
 out of it. Reports medians, ratios to the bare step with their spread over rounds, removal time,
-peak RSS and history rows, with the issue's targets and PASS/FAIL; writes a CSV
+peak RSS and history rows, with the targets (benchmarks/README.md) and PASS/FAIL; writes a CSV
 (benchmarks/results/<timestamp>.csv unless --output).
 
     python benchmarks/run.py                       # every workload, full plan
-    python benchmarks/run.py --targets             # the sampled-step targets (issue 16), 5 rounds
+    python benchmarks/run.py --targets             # the sampled-step targets, 5 rounds
     python benchmarks/run.py --quick               # smoke run (one round)
     python benchmarks/run.py --workloads sequence --configs bare,unsampled --rounds 5
     python benchmarks/run.py --workloads sequence,many --repeats 9
@@ -106,14 +106,13 @@ COLUMNS = (
 @dataclass(frozen=True)
 class Target:
     """One target: ``value(row, bare) <= limit`` on the ``ti`` row of ``workload``/``config``
-    with ``sink`` (issue: where it was set)."""
+    with ``sink``."""
 
     workload: str
     config: str
     label: str
     limit: float
     unit: str  # "x" ratio to bare, "s", "MB", or "bool"
-    issue: int
     sink: str = "dir"
 
     def value(self, row: dict[str, Any], bare: dict[str, Any] | None) -> float | None:
@@ -142,35 +141,36 @@ class Target:
         return f"{self.label} <= {self.limit:g}{suffix}"
 
 
-# The sampled-step targets of issue 16 replace issue 7's (every forward <= 4x / 40x / 3x, RSS
-# <= bare + 3x tensor); issue 7's unsampled, interval, removal and finalization targets stand.
+# The sampled-step targets (every forward) replace the first ones (<= 4x / 40x / 3x, RSS <= bare
+# + 3x tensor); the first unsampled, interval, removal and finalization targets stand.
 # Every-forward targets are checked with the directory sink (what ``output_dir=`` gives) and,
 # as a separate line, with MemorySink (ti-core's own cost, without ti-io's Parquet parts).
 TARGETS = (
-    Target("sequence", "unsampled", "unsampled", 1.02, "x", 7),
-    Target("sequence", "every", "every forward", 3.0, "x", 16),
-    Target("sequence", "every", "every forward, MemorySink", 3.0, "x", 16, "memory"),
-    Target("sequence", "interval", "60-s interval", 1.01, "x", 7),
-    Target("many", "unsampled", "unsampled", 1.05, "x", 7),
-    Target("many", "every", "every forward", 8.0, "x", 16),
-    Target("many", "every", "every forward, MemorySink", 8.0, "x", 16, "memory"),
-    Target("many", "unsampled", "removal", 0.5, "s", 7),
-    Target("many", "interval", "removal", 0.5, "s", 7),
-    Target("large", "every", "every forward", 1.5, "x", 16),
-    Target("large", "every", "every forward, MemorySink", 1.5, "x", 16, "memory"),
-    Target("large", "every", "exact quartiles", 0.0, "bool", 16),
-    Target("large", "every", "peak RSS", 2.0, "MB", 16),
-    Target("history", "finalize", "finalize (consolidation + result.json)", 2.0, "s", 7),
-    Target("history", "finalize", "RSS growth", 200.0, "MB", 7),
+    Target("sequence", "unsampled", "unsampled", 1.02, "x"),
+    Target("sequence", "every", "every forward", 3.0, "x"),
+    Target("sequence", "every", "every forward, MemorySink", 3.0, "x", "memory"),
+    Target("sequence", "interval", "60-s interval", 1.01, "x"),
+    Target("many", "unsampled", "unsampled", 1.05, "x"),
+    Target("many", "every", "every forward", 8.0, "x"),
+    Target("many", "every", "every forward, MemorySink", 8.0, "x", "memory"),
+    Target("many", "unsampled", "removal", 0.5, "s"),
+    Target("many", "interval", "removal", 0.5, "s"),
+    Target("large", "every", "every forward", 1.5, "x"),
+    Target("large", "every", "every forward, MemorySink", 1.5, "x", "memory"),
+    Target("large", "every", "exact quartiles", 0.0, "bool"),
+    Target("large", "every", "peak RSS", 2.0, "MB"),
+    Target("history", "finalize", "finalize (consolidation + result.json)", 2.0, "s"),
+    Target("history", "finalize", "RSS growth", 200.0, "MB"),
 )
 TARGETS_PRESET = {
     "workloads": ["sequence", "many", "large"],
     "configs": ["bare", "every", "every-memory", "interval"],
     "rounds": 5,
 }
-"""``--targets``: the sampled-step targets of issue 16 (and the 60-s interval beside them)."""
+"""``--targets``: the sampled-step targets (and the 60-s interval beside them)."""
 FAST_BARE_MS = {"sequence": 1.3}
-"""Bare step at the fast end of the reference machine (issue 16), shown beside the run's."""
+"""Bare step at the fast end of the reference machine the sampled-step targets were set on,
+shown beside the run's."""
 
 
 def _float(value: Any) -> float | None:
@@ -569,7 +569,7 @@ def _print_table(rows: list[dict[str, Any]], checks: list[Any], baseline_ratios:
         " rounds' min-max; min-ratio: fastest block vs fastest bare block, median over rounds;"
         " median ms, removal s, peak RSS MB, rows: medians over rounds)\n"
     )
-    print("Targets (issue 16: sampled steps; issue 7: the rest)")
+    print("Targets (why each limit: benchmarks/README.md)")
     width = max((len(c[0].describe()) for c in checks), default=20) + 2
     for target, row, shown, status in checks:
         other = ""
@@ -666,7 +666,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--targets",
         action="store_true",
-        help="the sampled-step targets (issue 16): workloads "
+        help="the sampled-step targets: workloads "
         f"{','.join(TARGETS_PRESET['workloads'])}, configs {','.join(TARGETS_PRESET['configs'])}, "
         f"{TARGETS_PRESET['rounds']} rounds (explicit --workloads/--configs/--rounds win)",
     )

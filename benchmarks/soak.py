@@ -1,4 +1,4 @@
-"""Leak soak (issue 8): many sampled steps, some forwards never backwarded; memory must stay flat.
+"""Leak soak: many sampled steps, some forwards never backwarded; memory must stay flat.
 
 Runs ``--steps`` root forwards of a small MLP with every forward sampled (AlwaysSampler). A
 third of them never get a backward (their graph, and the gradient capture bound to it, is just

@@ -84,7 +84,7 @@ class _Impl:
         observer_of = getattr(self.mod, "observer_of", None)
         if observer_of is not None:
             observer = observer_of(model)
-        else:  # a --reference-python tree from before issue 13, which added observer_of
+        else:  # a --reference-python tree older than ti_core.observer_of
             from ti_core.observer import ATTRIBUTE
 
             observer = model.__dict__.get(ATTRIBUTE)

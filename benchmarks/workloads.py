@@ -1,12 +1,12 @@
 """The benchmark workloads: a model, a way to make its input and one training (or inference) step.
 
-Each workload is the published reference one (issues 7 and 16) so figures compare with the
+Each workload is the published reference one (benchmarks/README.md) so figures compare with the
 released single-package torchinstruments: ``sequence``, ``many`` and ``large`` define the cost
 targets; ``conv`` and ``transformer`` add realism. The step is what the ratio is taken against, so
 it is exactly what a training loop would run per batch, with nothing the observer could hide
 behind: forward, then backward of ``.square().mean()``, the input requiring grad (the
-predecessor's reference step; until issue 16 the harness ran ``.sum()`` without input gradients,
-and ``large`` forward only, under ``no_grad``).
+predecessor's reference step; before the sampled-step targets the harness ran ``.sum()``
+without input gradients, and ``large`` forward only, under ``no_grad``).
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def test_quick_sequence_run_writes_expected_csv(tmp_path: Path) -> None:
     assert int(every["history_rows"]) == (1 + 2) * 4 * 2 * len(DEFAULT_METRICS)
     # unsampled: only the first forward (in the warmup) is sampled.
     assert int(by_config[("unsampled", "dir")]["history_rows"]) == 4 * 2 * len(DEFAULT_METRICS)
-    assert "Targets (issue 16: sampled steps; issue 7: the rest)" in done.stdout
+    assert "Targets (why each limit: benchmarks/README.md)" in done.stdout
     assert "1 round(s) per workload" in done.stdout
     # each ratio target names the bare step it was measured against
     bare_ms = float(by_config[("bare", "-")]["step_ms_median"])

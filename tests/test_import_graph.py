@@ -1,13 +1,26 @@
-"""No import cycle between the modules of a package, and imports point one way between packages.
+"""Imports point one way: between packages, between the parts of a package, between modules.
 
 Read from the sources (ast), so every import counts: module level, inside functions and under
 ``TYPE_CHECKING``. ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
-else to ``pkg`` (its ``__init__``).
+else to ``pkg`` (its ``__init__``); ``import a.b.c`` is an edge to the deepest of those that is
+a module. The implicit import of a module's parent packages is not an edge: every submodule has
+it, and it is how packages work.
+
+Three rules, each over every package:
+
+- no cycle between modules;
+- no cycle between the parts of any (sub)package, its direct submodules and subpackages, each
+  taken with everything inside it: ``ti_core.capture`` importing ``ti_core.compiled`` while
+  ``ti_core.compiled`` imports ``ti_core.capture`` runs back up even when no two modules import
+  each other;
+- a package imports only the siblings below it (``ALLOWED``), and the layers of ti-core only
+  the layers below them (``FORBIDDEN``).
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -25,15 +38,24 @@ ALLOWED = {
     "ti_schema": set(),
     "ti_core": {"ti_schema"},
     "ti_io": {"ti_schema"},
-    "ti_dist": {"ti_schema"},
+    "ti_dist": {"ti_schema", "ti_io"},
     "ti_trainers": {"ti_schema", "ti_core", "ti_io"},
     "ti_examples": {"ti_schema", "ti_core", "ti_io", "ti_trainers"},
 }
 """Sibling packages each package's sources may import (a subset of what it declares)."""
+FORBIDDEN = {
+    "ti_core.reduction": ("ti_core.capture", "ti_core.emission", "ti_core.gate"),
+    "ti_core.capture": ("ti_core.emission", "ti_core.gate", "ti_core.observer"),
+    "ti_core.emission": ("ti_core.gate", "ti_core.observer", "ti_core.capture.hooks"),
+}
+"""What each layer of ti-core must not import (docs/architecture.md): reduction knows nothing
+of capture, emission or the gate; capture nothing of emission, the gate or the observer;
+emission nothing of the gate, the observer or the hooks."""
 
 
-def _modules(package: str) -> dict[str, Path]:
-    root = PACKAGES_DIR / PACKAGES[package] / "src"
+def _modules(package: str, packages_dir: Path = PACKAGES_DIR) -> dict[str, Path]:
+    """Every module of ``package`` by dotted name (a package by its ``__init__``)."""
+    root = packages_dir / PACKAGES[package] / "src"
     modules = {}
     for path in sorted((root / package).rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
@@ -43,12 +65,17 @@ def _modules(package: str) -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Every module (of any package) that module ``name`` imports."""
+    """Every module (of any package) that module ``name`` imports; a module of ``known`` by its
+    name there."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            for alias in node.names:
+                target = alias.name
+                while target and target not in known and "." in target:
+                    target = target.rpartition(".")[0]
+                found.add(target if target in known else alias.name)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".") if is_package else name.split(".")[:-1]
@@ -59,20 +86,22 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
             for alias in node.names:
                 submodule = f"{target}.{alias.name}"
                 found.add(submodule if submodule in known else target)
+    found.discard(name)
     return found
 
 
-def _graph(package: str) -> dict[str, set[str]]:
-    modules = _modules(package)
+def _graph(package: str, packages_dir: Path = PACKAGES_DIR) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports."""
+    modules = _modules(package, packages_dir)
     known = set(modules)
     return {
-        name: {m for m in _imports(name, path, known) if m in known and m != name}
+        name: {m for m in _imports(name, path, known) if m in known}
         for name, path in modules.items()
     }
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan)."""
+    """The strongly connected components with more than one node (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -106,9 +135,59 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _part_of(module: str, package: str) -> str | None:
+    """The direct submodule or subpackage of ``package`` that ``module`` is or lies in; None
+    when it lies outside ``package`` or is its ``__init__``."""
+    if not module.startswith(package + "."):
+        return None
+    return f"{package}.{module[len(package) + 1 :].split('.')[0]}"
+
+
+def _part_cycles(graph: dict[str, set[str]], packages: Iterable[str]) -> list[str]:
+    """For each package of ``packages``: the cycles between its parts (its direct submodules
+    and subpackages, each with everything inside it), each with the module imports behind it."""
+    problems: list[str] = []
+    for package in sorted(packages):
+        parts: dict[str, set[str]] = {}
+        why: dict[tuple[str, str], list[str]] = {}
+        for module, targets in graph.items():
+            source = _part_of(module, package)
+            if source is None:
+                continue
+            parts.setdefault(source, set())
+            for target in targets:
+                part = _part_of(target, package)
+                if part is not None and part != source:
+                    parts[source].add(part)
+                    parts.setdefault(part, set())
+                    why.setdefault((source, part), []).append(f"{module} -> {target}")
+        for cycle in _cycles(parts):
+            members = set(cycle)
+            edges = sorted(
+                edge
+                for (a, b), imports in why.items()
+                if a in members and b in members
+                for edge in imports
+            )
+            problems.append(f"{package}: {' <-> '.join(cycle)} ({'; '.join(edges)})")
+    return problems
+
+
+def _packages(package: str, packages_dir: Path = PACKAGES_DIR) -> set[str]:
+    """``package`` and each of its subpackages."""
+    return {
+        name for name, path in _modules(package, packages_dir).items() if path.name == "__init__.py"
+    }
+
+
 @pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_no_import_cycle_between_modules(package: str) -> None:
     assert _cycles(_graph(package)) == []
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_cycle_between_the_parts_of_a_package(package: str) -> None:
+    assert _part_cycles(_graph(package), _packages(package)) == []
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))
@@ -120,7 +199,63 @@ def test_packages_import_only_the_siblings_below_them(package: str) -> None:
     assert imported <= ALLOWED[package], sorted(imported - ALLOWED[package])
 
 
+def test_ti_core_layers_import_only_the_layers_below_them() -> None:
+    graph = _graph("ti_core")
+    assert len(graph) > 20  # the walk found the package
+    bad = sorted(
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        for layer, forbidden in FORBIDDEN.items()
+        if name == layer or name.startswith(layer + ".")
+        for target in targets
+        if any(target == f or target.startswith(f + ".") for f in forbidden)
+    )
+    assert bad == []
+
+
+def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "ti-examples" / "src" / "ti_examples"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from ti_examples.a import x\n")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n"
+    )
+    (pkg / "b.py").write_text("def f():\n    import ti_examples.sub.c.name\n")
+    (pkg / "sub" / "__init__.py").write_text("from .c import y\nfrom .. import a\n")
+    (pkg / "sub" / "c.py").write_text("import torch\nfrom ti_examples import b\n")
+    assert _graph("ti_examples", tmp_path) == {
+        "ti_examples": {"ti_examples.a"},
+        "ti_examples.a": {"ti_examples.b"},
+        "ti_examples.b": {"ti_examples.sub.c"},
+        "ti_examples.sub": {"ti_examples.sub.c", "ti_examples.a"},
+        "ti_examples.sub.c": {"ti_examples.b"},
+    }
+    assert _packages("ti_examples", tmp_path) == {"ti_examples", "ti_examples.sub"}
+
+
 def test_the_cycle_finder_finds_cycles() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_cycle_between_subpackages_is_found_without_one_between_modules() -> None:
+    """``p.capture.hooks -> p.compiled.traced`` and ``p.compiled.record -> p.capture.batch``:
+    no two modules import each other, yet each subpackage imports the other."""
+    graph = {
+        "p": {"p.capture", "p.gate"},
+        "p.gate": {"p.capture.hooks"},
+        "p.capture": {"p.capture.hooks"},
+        "p.capture.hooks": {"p.compiled.traced"},
+        "p.capture.batch": set(),
+        "p.compiled": set(),
+        "p.compiled.traced": set(),
+        "p.compiled.record": {"p.capture.batch"},
+    }
+    assert _cycles(graph) == []
+    assert _part_cycles(graph, ["p", "p.capture", "p.compiled"]) == [
+        "p: p.capture <-> p.compiled (p.capture.hooks -> p.compiled.traced; "
+        "p.compiled.record -> p.capture.batch)"
+    ]
+    graph["p.compiled.record"] = set()
+    assert _part_cycles(graph, ["p", "p.capture", "p.compiled"]) == []

@@ -1,17 +1,15 @@
-"""ti-core's structure: imports between its modules point one way, one row layout for every
-engine (docs/metrics.md), and the reduction engine's tables agree with ti-schema."""
+"""ti-core's structure: one row layout for every engine (docs/metrics.md), and the reduction
+engine's tables agree with ti-schema. That imports point one way, between its modules and
+between its layers, is checked with every package's in tests/test_import_graph.py."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-import ti_core
 from ti_core.reduction import (
     ReductionPlan,
     default_reducers,
@@ -21,115 +19,6 @@ from ti_core.reduction import (
     torch_rows,
 )
 from ti_schema import DEFAULT_METRICS, FINITE_METRICS
-
-SRC = Path(ti_core.__file__).parent
-
-
-def _modules() -> dict[str, Path]:
-    """Every module of ti_core by dotted name (a package by its ``__init__``)."""
-    found = {}
-    for path in sorted(SRC.rglob("*.py")):
-        parts = path.relative_to(SRC.parent).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = path
-    return found
-
-
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The ti_core modules ``name`` imports, wherever the import statement is (function
-    bodies and ``if TYPE_CHECKING:`` blocks included). ``from pkg import x`` names the module
-    ``pkg.x`` when there is one, else ``pkg``. The implicit import of a module's parent
-    packages is not an edge: every submodule has it, and it is how packages work."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                target = alias.name
-                while target and target not in modules:
-                    target = target.rpartition(".")[0]
-                if target:
-                    found.add(target)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package
-                for _ in range(node.level - 1):
-                    anchor = anchor.rpartition(".")[0]
-                base = f"{anchor}.{base}" if base else anchor
-            if base != "ti_core" and not base.startswith("ti_core."):
-                continue
-            for alias in node.names:
-                candidate = f"{base}.{alias.name}"
-                found.add(candidate if candidate in modules else base)
-    found.discard(name)
-    return found
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_no_import_cycle_between_ti_core_modules() -> None:
-    modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert len(graph) > 20  # the walk found the package
-    assert "ti_core.reduction.plan" in graph["ti_core.capture.batch"]  # it sees edges
-    assert _cycles(graph) == []
-
-
-def test_the_cycle_finder_finds_cycles() -> None:
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
-    assert _cycles(graph) == [["a", "b", "c"]]
-
-
-def test_layers_import_one_way() -> None:
-    """reduction knows nothing of capture, emission or the observer; capture nothing of
-    emission, the gate or the observer; emission nothing of the gate or the observer."""
-    modules = _modules()
-    below = {
-        "ti_core.reduction": ("ti_core.capture", "ti_core.emission", "ti_core.gate"),
-        "ti_core.capture": ("ti_core.emission", "ti_core.gate", "ti_core.observer"),
-        "ti_core.emission": ("ti_core.gate", "ti_core.observer", "ti_core.capture.hooks"),
-    }
-    for name, path in modules.items():
-        for layer, forbidden in below.items():
-            if name == layer or name.startswith(layer + "."):
-                imported = _imports(name, path, modules)
-                bad = sorted(m for m in imported for f in forbidden if m.startswith(f))
-                assert not bad, f"{name} imports {bad}"
 
 
 def test_profile_row_columns_are_the_schema_metrics_then_the_finite_count() -> None:
