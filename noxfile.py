@@ -39,12 +39,12 @@ PACKAGES: tuple[str, ...] = helpers.PACKAGES
 
 # What must NOT be importable in a package's test environment, beyond the sibling packages
 # outside its dependency closure (derived from the pyprojects: helpers.absent_siblings). Proves
-# the dependency direction: the reading side (ti-schema, ti-io) never pulls torch.
+# the dependency direction: the reading side (ti-schema, ti-io, ti-dist) never pulls torch.
 ABSENT_THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "ti-schema": ("torch", "polars", "tensorboard"),
     "ti-core": ("polars", "tensorboard"),
     "ti-io": ("torch",),
-    "ti-dist": ("tensorboard",),
+    "ti-dist": ("torch",),
     "ti-trainers": (),
     "ti-examples": (),
 }
@@ -302,8 +302,8 @@ def mutation(session: nox.Session, package: str) -> None:
     its pyproject.toml names them and the tests that judge them), in a copy of the package so
     ``mutants/`` never lands in the tree. Prints the score of each module and writes
     ``.nox/reports/mutation-<package>.json``. Arguments after ``--`` go to ``mutmut run``
-    (mutant names or globs, e.g. ``"ti_io.digest*"``, or ``--max-children N``); a rerun in the
-    same environment continues where the last one stopped."""
+    (mutant names or globs, e.g. ``"ti_io.finish.digest*"``, or ``--max-children N``); a rerun
+    in the same environment continues where the last one stopped."""
     closure = helpers.closure(package, helpers.TEST_EXTRAS.get(package, ()))
     helpers.install(session, MUTMUT, *TEST_TOOLS, *helpers.source_args(closure))
     work = helpers.mutation_workdir(Path(session.create_tmp()), package)

@@ -315,7 +315,7 @@ def test_sigkill_leaves_complete_parts_and_consolidate_recovers_them(tmp_path: P
 
 
 def test_exit_without_removal_keeps_every_row_for_consolidate(tmp_path: Path) -> None:
-    from ti_io.directory_sink import _flush_live_sinks
+    from ti_io.write.directory_sink import _flush_live_sinks
 
     torch.manual_seed(6)
     model = mlp(depth=2)

@@ -3,7 +3,8 @@
 Training continues under ``error_policy="warn"`` with exactly one warning that names the path and
 what was lost; what was already published stays readable; ``raise`` propagates; removal releases
 every hook either way. A real full disk is a tiny tmpfs (when this process may mount one); the
-portable variant injects ENOSPC at the part writer's write boundary (``ti_io.parts.write_parquet``).
+portable variant injects ENOSPC at the part writer's write boundary
+(``ti_io.write.parts.write_parquet``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytest
 import torch
 from torch import nn
 
-import ti_io.parts
+import ti_io.write.parts
 from ti_core import (
     AlwaysSampler,
     TelemetryWarning,
@@ -131,7 +132,7 @@ def _inject_enospc(monkeypatch: pytest.MonkeyPatch) -> None:
     def full(path: Path, table: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(ti_io.parts, "write_parquet", full)
+    monkeypatch.setattr(ti_io.write.parts, "write_parquet", full)
 
 
 # -- the scenario ----------------------------------------------------------------------------

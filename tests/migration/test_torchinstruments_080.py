@@ -29,8 +29,8 @@ from ti_core import AlwaysSampler, MemorySink, inject_observer, remove_observer 
 from ti_core.legacy import legacy_path  # noqa: E402
 from ti_io import upgrade  # noqa: E402
 from ti_io.cli import main  # noqa: E402
-from ti_io.legacy import modern_path  # noqa: E402
 from ti_schema import parse_metadata  # noqa: E402
+from ti_schema.legacy_paths import modern_path  # noqa: E402
 from ti_schema.testing import assert_artifact_dir_conforms  # noqa: E402
 
 pytestmark = pytest.mark.slow

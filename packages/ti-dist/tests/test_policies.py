@@ -9,8 +9,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from ti_core.ranks import RankPolicy, RankSelection
 from ti_dist import AllRanks, Rank0Only, RankDetectionError, Ranks, rank_subdir
+from ti_schema.ranks import RankPolicy, RankSelection
 
 
 @pytest.fixture(autouse=True)
@@ -93,6 +93,7 @@ def test_policy_objects_compare_and_print() -> None:
 
 
 def test_policies_satisfy_the_core_protocol() -> None:
+    # ti-core reads policies through this protocol (ti_core.RankPolicy is ti-schema's)
     for policy in (Rank0Only(), AllRanks(), Ranks([0])):
         assert isinstance(policy, RankPolicy)
 

@@ -22,8 +22,11 @@ import pytest
 from _io_helpers import Synth, make_run
 
 from ti_io import DirectorySink, HistoryConfig, consolidate
-from ti_io.cli import EXIT_CODES, TI_DISTRIBUTIONS, main, summary_table
+from ti_io.cli import main
+from ti_io.cli.status import EXIT_CODES
+from ti_io.cli.version import TI_DISTRIBUTIONS
 from ti_io.progress import BAR_DELAY_S, TerminalProgress
+from ti_io.read.summary import summary_table
 from ti_schema import SCHEMA_VERSION
 
 LAYERS = (("encoder.0", "Linear"), ("encoder.1", "ReLU"), ("decoder.0", "Linear"), ("", "Net"))

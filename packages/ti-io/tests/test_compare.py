@@ -25,7 +25,7 @@ from _io_helpers import make_run
 
 from ti_io import DirectorySink, HistoryConfig
 from ti_io.cli import main
-from ti_io.compare import compare_runs, compare_series, open_runs, unshared
+from ti_io.read.compare import compare_runs, compare_series, open_runs, unshared
 from ti_schema import SCHEMA_VERSION, SchemaMismatchError, history_schema
 from ti_schema.layout import HISTORY_FILE
 
@@ -367,7 +367,7 @@ def test_plot_draws_one_panel_per_measurement(
     assert image.shape[0] >= 2 * 250  # two panels: fc1 output std, fc1 output_gradient std
     assert image[..., :3].std() > 0.05, "the image is not blank"
 
-    from ti_io.plot import plot_series
+    from ti_io.read.plot import plot_series
 
     series = compare_series(runs, layer="fc1", signal="output_gradient")
     figure_path = plot_series(series, tmp_path / "grad.png", onset=ONSET)

@@ -1,4 +1,4 @@
-"""``ti_io.parts.conform``: every stored row passes through it on its way into a part.
+"""``ti_io.write.parts.conform``: every stored row passes through it on its way into a part.
 
 Batches that already carry the contract's fields are relabelled with the run's schema (its
 ``ti`` metadata) without copying; anything else is cast, which decodes dictionary strings and
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from ti_io.parts import conform
+from ti_io.write.parts import conform
 from ti_schema import histogram_schema, history_schema
 from ti_schema.testing import example_histogram_table, example_history_table
 

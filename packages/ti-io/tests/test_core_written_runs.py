@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ti_io import consolidate, scan_history
-from ti_io.cli import _summary_frame, main
+from ti_io.cli import main
+from ti_io.read.summary import summary_table
 from ti_schema import DEFAULT_METRICS, DEFAULT_SIGNALS, PARAMETER_SIGNALS, SIGNALS
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, RESULT_FILE, list_parts
 from ti_schema.testing import assert_artifact_dir_conforms
@@ -99,7 +100,7 @@ def _reference(table: pa.Table) -> dict[tuple[str, str, str, str], dict[str, flo
             "max": float(values.max()),
             "latest": float(values[-1]),
             "recent_window_mean": float(values[-WINDOW:].mean()),
-            "sample": float(pairs[-1][0]),
+            "latest_sample": float(pairs[-1][0]),
             "observations": float(len(values)),
         }
     return reference
@@ -110,15 +111,15 @@ def test_summary_matches_a_numpy_reference(runs: Path, name: str) -> None:
     directory = runs / name
     table = _history(directory) if name == "finalized" else _parts(directory)
     expected = _reference(table)
-    frame = _summary_frame(directory, [], [])
+    table = summary_table(directory)
+    frame = table.filter(pl.col("executed"))
     assert frame.height == len(expected)
     for row in frame.iter_rows(named=True):
-        path = row.get("tensor_path", "")  # a run with one tensor path shows none
-        want = expected[(row["layer"], row["signal"], path, row["metric"])]
+        want = expected[(row["layer"], row["signal"], row["tensor_path"], row["metric"])]
         for column, value in want.items():
             np.testing.assert_allclose(row[column], value, rtol=1e-12, atol=1e-15, err_msg=column)
     layers = [layer["layer"] for layer in json.loads((directory / RESULT_FILE).read_text())]
-    assert frame["layer"].unique(maintain_order=True).to_list() == layers
+    assert table["layer"].unique(maintain_order=True).to_list() == layers
     assert frame["metric"].unique(maintain_order=True).to_list() == list(DEFAULT_METRICS)
 
 

@@ -26,7 +26,7 @@ from _fidelity import (
 )
 from _io_helpers import Synth, make_run
 
-import ti_io.parts
+import ti_io.write.parts
 from ti_io import ArtifactWriteError, DirectorySink, HistoryConfig, scan_history
 from ti_schema import (
     DEFAULT_METRICS,
@@ -339,7 +339,7 @@ def test_write_failure_is_reported_and_the_rest_survives(
     tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = synth()
-    real = ti_io.parts.write_parquet
+    real = ti_io.write.parts.write_parquet
     attempts: list[str] = []
 
     def full(path: Path, table: pa.Table) -> None:
@@ -348,7 +348,7 @@ def test_write_failure_is_reported_and_the_rest_survives(
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, table)
 
-    monkeypatch.setattr(ti_io.parts, "write_parquet", full)
+    monkeypatch.setattr(ti_io.write.parts, "write_parquet", full)
     per_sample = 2 * len(s.run.layers) * len(DEFAULT_METRICS)
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(flush_seconds=None))
     sink.open(s.run)
@@ -378,7 +378,7 @@ def test_a_failing_tensorboard_event_file_is_reported_and_costs_no_rows(
     def broken(self: object, batch: pa.RecordBatch) -> int:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(ti_io.parts.EventFileHistograms, "write", broken)
+    monkeypatch.setattr(ti_io.write.parts.EventFileHistograms, "write", broken)
     sink, sent = run_sink(tmp_path, s, samples=3, buffer_rows=10_000)
     with pytest.raises(ArtifactWriteError, match="Input/output error") as caught:
         sink.flush()
@@ -398,14 +398,14 @@ def test_a_failing_histogram_part_is_reported_with_the_rows_it_lost(
     """A histogram part that cannot be written (a lasting ENOSPC) is reported once, naming the
     part and the histogram rows it lost; the history is untouched."""
     s = synth()
-    real = ti_io.parts.write_parquet
+    real = ti_io.write.parts.write_parquet
 
     def full(path: Path, table: pa.Table) -> None:
         if path.parent.name == "histograms.parts":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, table)
 
-    monkeypatch.setattr(ti_io.parts, "write_parquet", full)
+    monkeypatch.setattr(ti_io.write.parts, "write_parquet", full)
     sink, sent = run_sink(tmp_path, s, samples=3, buffer_rows=10_000)
     with pytest.raises(ArtifactWriteError, match="No space left") as caught:
         sink.flush()
@@ -427,7 +427,7 @@ def test_a_failing_event_file_close_is_reported_at_close(
     def broken(self: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(ti_io.parts.EventFileHistograms, "close", broken)
+    monkeypatch.setattr(ti_io.write.parts.EventFileHistograms, "close", broken)
     sink, sent = run_sink(tmp_path, s, samples=3, buffer_rows=10_000)
     (events,) = (tmp_path / "tensorboard").iterdir()
     with pytest.raises(ArtifactWriteError, match="Input/output error") as caught:
@@ -449,7 +449,7 @@ def test_a_dead_writer_thread_is_reported_instead_of_waited_for(
     def die(self: object, history: object, histograms: object) -> None:
         raise SystemExit("writer fault")  # ends the thread silently, like an uncatchable fault
 
-    monkeypatch.setattr(ti_io.parts.PartWriter, "_publish", die)
+    monkeypatch.setattr(ti_io.write.parts.PartWriter, "_publish", die)
     per_sample = s.history(0).num_rows
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=per_sample))
     sink.open(s.run)
@@ -458,7 +458,8 @@ def test_a_dead_writer_thread_is_reported_instead_of_waited_for(
     sink._writer._thread.join(timeout=60)
 
     def fill() -> None:
-        for sample in range(1, 2 + ti_io.parts.BACKPRESSURE_PARTS):  # until the buffer is full
+        # until the buffer is full
+        for sample in range(1, 2 + ti_io.write.parts.BACKPRESSURE_PARTS):
             sink.write_history(s.history(sample))
 
     with pytest.raises(ArtifactWriteError, match="has stopped; rows are not being written"):
@@ -469,7 +470,7 @@ def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(
     tmp_path: Path, synth: Callable[..., Synth], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = synth()
-    real = ti_io.parts.write_parquet
+    real = ti_io.write.parts.write_parquet
     failed: list[str] = []
 
     def transient(path: Path, table: pa.Table) -> None:
@@ -478,7 +479,7 @@ def test_a_part_that_fails_once_is_written_again_and_nothing_is_lost(
             raise OSError(errno.EIO, "Input/output error", str(path))
         real(path, table)
 
-    monkeypatch.setattr(ti_io.parts, "write_parquet", transient)
+    monkeypatch.setattr(ti_io.write.parts, "write_parquet", transient)
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(flush_seconds=None))
     sink.open(s.run)
     for sample in range(3):
@@ -514,14 +515,14 @@ def test_backpressure_blocks_instead_of_dropping(
     waits for room (observed, not timed), and every row arrives once the disk frees up."""
     s = synth()
     writing, gate = threading.Event(), threading.Event()
-    real = ti_io.parts.write_parquet
+    real = ti_io.write.parts.write_parquet
 
     def slow(path: Path, table: pa.Table) -> None:
         writing.set()
         gate.wait()
         real(path, table)
 
-    monkeypatch.setattr(ti_io.parts, "write_parquet", slow)
+    monkeypatch.setattr(ti_io.write.parts, "write_parquet", slow)
     per_sample = s.history(0).num_rows
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=per_sample))
     sink.open(s.run)

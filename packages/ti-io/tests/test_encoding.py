@@ -1,4 +1,4 @@
-"""Dictionary-encoded string columns in parts (``ti_io.encoding``, ``ti_io.parts``).
+"""Dictionary-encoded string columns in parts (``ti_io.encoding``, ``ti_io.write.parts``).
 
 Parts are written from dictionary arrays and must read back exactly as the contract's strings
 (types, field docs, schema metadata, values, nulls). The cache that encodes each repeated
@@ -19,7 +19,7 @@ from ti_io.encoding import (
     dictionary_schema,
     plain_schema,
 )
-from ti_io.parts import conform, part_table, write_parquet
+from ti_io.write.parts import conform, part_table, write_parquet
 from ti_schema import histogram_schema, history_schema
 from ti_schema.testing import example_histogram_table, example_history_table
 

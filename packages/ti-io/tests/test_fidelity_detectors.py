@@ -1,5 +1,5 @@
 """The fidelity checks of ``_fidelity`` are proven here: a defect planted in the real write path
-(``ti_io.parts.conform``, through which every stored row passes) must make them fail. Without
+(``ti_io.write.parts.conform``, through which every stored row passes) must make them fail. Without
 this, a check that compares nothing would pass on broken code as well as on good code."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from _fidelity import HISTOGRAM_KEY, assert_result_json_matches, assert_rows_equal
 from _io_helpers import Synth
 
-import ti_io.parts
+import ti_io.write.parts
 from ti_io import DirectorySink, HistoryConfig, consolidate, scan_history
 from ti_schema.testing import load_strict_json
 
@@ -23,7 +23,7 @@ WINDOW = 3
 
 def _plant(monkeypatch: pytest.MonkeyPatch, column: str, factor: float) -> None:
     """``conform`` as it would be with every stored ``column`` multiplied by ``factor``."""
-    real = ti_io.parts.conform
+    real = ti_io.write.parts.conform
 
     def scaled(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
         table = real(batches, schema)
@@ -34,7 +34,7 @@ def _plant(monkeypatch: pytest.MonkeyPatch, column: str, factor: float) -> None:
             index, table.schema.field(index), pc.multiply(table.column(column), factor)
         )
 
-    monkeypatch.setattr(ti_io.parts, "conform", scaled)
+    monkeypatch.setattr(ti_io.write.parts, "conform", scaled)
 
 
 def _run(out: Path, s: Synth, *, finalize: bool) -> dict[str, list[pa.RecordBatch]]:

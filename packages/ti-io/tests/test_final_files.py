@@ -18,11 +18,13 @@ from _io_helpers import Synth
 
 from ti_io import DirectorySink, HistoryConfig
 from ti_io.facts import RunFacts
-from ti_io.result_json import aggregate, finish_statistics, render
+from ti_io.finish.result_json import render
+from ti_io.finish.statistics import finish_statistics
+from ti_io.read.aggregates import aggregate
 from ti_schema import histogram_schema, history_schema
 
-# The module (``ti_io.consolidate`` as an attribute is the package's function of that name).
-CONSOLIDATE = importlib.import_module("ti_io.consolidate")
+# The module (``ti_io.finish.consolidate`` as an attribute is the package's function of that name).
+CONSOLIDATE = importlib.import_module("ti_io.finish.consolidate")
 
 
 def _finalized_run(

@@ -20,10 +20,10 @@ from _io_helpers import Synth
 
 from ti_io import DirectorySink, HistoryConfig, consolidate
 from ti_io.cli import main
-from ti_io.consolidate import _write_final_files
 from ti_io.errors import FinalizationBusyError, FinalizationError, ShrinkRefusedError
 from ti_io.facts import read_run_facts
-from ti_io.journal import FinalizationState, Journal, read_journal
+from ti_io.finish.consolidate import _write_final_files
+from ti_io.finish.journal import FinalizationState, Journal, read_journal
 from ti_io.publishing import publish_text, temp_path
 from ti_schema.artifacts import artifact_dir_problems
 from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, JOURNAL_FILE, part_name
@@ -84,7 +84,7 @@ def test_the_issue_state_finishes_without_touching_the_history(
 ) -> None:
     # ti-io before the journal: the final files written, history.parts/ retired, then the
     # process died before retiring histograms.parts/. `ti consolidate` then rebuilt the history
-    # from zero parts ("consolidated 51 parts into 0 history rows", issue 14).
+    # from zero parts ("consolidated 51 parts into 0 history rows"): the bug this test pins.
     run = _interrupted(tmp_path / "run", synth())
     want = _reference(run, tmp_path / "reference")
     _write_final_files(run, read_run_facts(run))

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from _io_helpers import Synth
 
-import ti_io.parts
+import ti_io.write.parts
 from ti_io import DirectorySink, HistoryConfig
 from ti_schema import validate_histograms
 
@@ -27,17 +27,17 @@ def test_histograms_reach_the_writer_only_in_chunks(
 ) -> None:
     s = synth()
     published: list[int] = []
-    original = ti_io.parts.PartWriter._publish
+    original = ti_io.write.parts.PartWriter._publish
 
     def counting(
-        self: ti_io.parts.PartWriter,
+        self: ti_io.write.parts.PartWriter,
         history: list[pa.RecordBatch],
         histograms: list[pa.RecordBatch],
     ) -> None:
         published.append(len(histograms))
         original(self, history, histograms)
 
-    monkeypatch.setattr(ti_io.parts.PartWriter, "_publish", counting)
+    monkeypatch.setattr(ti_io.write.parts.PartWriter, "_publish", counting)
     # Large buffers and no clock: no part is due during the 12 samples.
     config = HistoryConfig(buffer_rows=10_000, window=3, flush_seconds=None)
     sink = DirectorySink(tmp_path, history_config=config)

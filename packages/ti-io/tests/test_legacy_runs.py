@@ -22,9 +22,9 @@ import pytest
 
 from ti_io import LegacyRunError, UpgradeError, consolidate, legacy_reason, upgrade
 from ti_io.cli import main
-from ti_io.legacy import modern_path
-from ti_io.legacy_layout import LEGACY_COLUMNS
+from ti_io.read.legacy_layout import LEGACY_COLUMNS
 from ti_schema import DEFAULT_METRICS, parse_metadata
+from ti_schema.legacy_paths import modern_path
 from ti_schema.testing import assert_artifact_dir_conforms, example_history_table
 
 LAYERS = (

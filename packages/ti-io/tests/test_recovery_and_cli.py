@@ -29,7 +29,8 @@ from ti_io import (
     consolidate,
     scan_history,
 )
-from ti_io.cli import _summary_frame, main
+from ti_io.cli import main
+from ti_io.read.summary import summary_table
 from ti_schema import DEFAULT_METRICS, polars_write_options, validate_result_json
 from ti_schema.layout import rank_dir_name
 from ti_schema.testing import example_history_table, load_strict_json
@@ -257,7 +258,7 @@ def test_finalize_streams_parts_into_bounded_row_groups(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    consolidate_module = sys.modules["ti_io.consolidate"]
+    consolidate_module = sys.modules["ti_io.finish.consolidate"]
     monkeypatch.setattr(consolidate_module, "ROW_GROUP_ROWS", 100)
     s = synth(empty_every=5)
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=36, window=2))
@@ -286,7 +287,7 @@ def test_final_files_read_back_exactly_as_parts_written_from_strings(
 
     from ti_schema import validate_histograms, validate_history
 
-    consolidate_module = sys.modules["ti_io.consolidate"]
+    consolidate_module = sys.modules["ti_io.finish.consolidate"]
     monkeypatch.setattr(consolidate_module, "ROW_GROUP_ROWS", 30)  # several row groups
     s = synth(empty_every=3)
     sink = DirectorySink(tmp_path, history_config=HistoryConfig(buffer_rows=36, window=2))
@@ -321,8 +322,8 @@ def test_digest_groups_dictionary_encoded_rows_like_plain_strings() -> None:
     import pyarrow as pa
     from polars.testing import assert_frame_equal
 
-    from ti_io.digest import HistoryDigest
-    from ti_io.result_json import GROUP_KEYS
+    from ti_io.finish.digest import HistoryDigest
+    from ti_io.read.ordering import GROUP_KEYS
     from ti_schema.testing import example_history_table
 
     plain = example_history_table(540)
@@ -400,7 +401,7 @@ def test_cli_summary_uses_the_window_the_run_was_written_with(
         if state == "finalized":
             assert main(["consolidate", str(tmp_path)]) == 0
             assert not (tmp_path / "history.parts").exists()
-        table = _summary_frame(tmp_path, ["std"], ["output"])
+        table = summary_table(tmp_path, ["std"], ["output"])
         recent = table.filter(pl.col("layer") == s.run.layers[0].name).item(0, "recent_window_mean")
         assert recent == pytest.approx(values[-2:].mean(), rel=1e-12), state
         assert main(["summary", str(tmp_path), "--metric", "std"]) == 0

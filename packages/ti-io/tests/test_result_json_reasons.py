@@ -8,7 +8,8 @@ from typing import Any
 
 import polars as pl
 
-from ti_io.result_json import AGGREGATES, finish_statistics
+from ti_io.finish.statistics import finish_statistics
+from ti_io.read.aggregates import AGGREGATES
 
 WINDOW = 20
 ALL_OTHERS = " other reasons; see unavailable_reason in history.parquet)"

@@ -12,7 +12,7 @@ from _io_helpers import Synth, make_run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ti_io import DirectorySink, TensorBoardSink, histogram_tag
-from ti_io.tags import ROOT_TAG, escape_tag_part
+from ti_io.write.tags import ROOT_TAG, escape_tag_part
 
 
 def _load(logdir: Path) -> EventAccumulator:
@@ -104,7 +104,7 @@ def test_record_framing_is_tensorboards_byte_for_byte(tmp_path: Path) -> None:
     )
     from tensorboard.summary.writer.record_writer import RecordWriter
 
-    from ti_io.tensorboard_sink import RecordFile, masked_crc32c
+    from ti_io.write.tensorboard_sink import RecordFile, masked_crc32c
 
     rng = random.Random(7)
     records = [

@@ -19,14 +19,15 @@ Rule for ``standout_ranks``, applied within each row:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Final, Literal
 
 import polars as pl
 
 from ti_dist.reading import scan_ranks
-from ti_schema import SIGNALS, Signal
+from ti_io.read.filters import apply, names, row_filter, signal_names
+from ti_io.read.frames import PathOrFrame, history_frame
+from ti_schema import Signal
 
 MAD_TO_STD: Final[float] = 1.4826
 """Scales the median absolute deviation to a standard deviation for normally distributed data."""
@@ -34,24 +35,6 @@ MAD_TO_STD: Final[float] = 1.4826
 TENSOR_KEY: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path", "metric")
 AlignOn = Literal["sample_id", "forward_index"]
 """The column that lines rows up across ranks (see :func:`compare_ranks`)."""
-
-
-def _as_filter(
-    name: Literal["layer", "signal", "metric"], value: str | Sequence[str] | None
-) -> pl.Expr | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = [value]
-    values = list(value)
-    if not values or not all(isinstance(v, str) for v in values):
-        raise TypeError(
-            f"{name} must be a string or a non-empty sequence of strings, got {value!r}"
-        )
-    if name == "signal" and not set(values) <= set(SIGNALS):
-        unknown = sorted(set(values) - set(SIGNALS))
-        raise ValueError(f"signal must be one of {list(SIGNALS)} (or several), got {unknown}")
-    return pl.col(name).is_in(values)
 
 
 def _validate(threshold: float, rtol: float, atol: float, align_on: AlignOn) -> None:
@@ -89,7 +72,7 @@ def _refuse_several_runs(table: pl.DataFrame, rows: pl.LazyFrame, key: list[str]
 
 
 def compare_ranks(
-    source: str | os.PathLike[str] | pl.LazyFrame | pl.DataFrame,
+    source: PathOrFrame,
     *,
     layer: str | Sequence[str] | None = None,
     signal: Signal | Sequence[Signal] | None = None,
@@ -119,29 +102,11 @@ def compare_ranks(
     error (filter it by ``run_id`` first).
     """
     _validate(threshold, rtol, atol, align_on)
-    filters = [
-        f
-        for f in (
-            _as_filter("layer", layer),
-            _as_filter("signal", signal),
-            _as_filter("metric", metric),
-        )
-        if f is not None
-    ]
-    if isinstance(source, pl.DataFrame):
-        frame = source.lazy()
-    elif isinstance(source, pl.LazyFrame):
-        frame = source
-    elif isinstance(source, (str, os.PathLike)):
-        frame = scan_ranks(source)
-    else:
-        raise TypeError(
-            "source must be an output_dir path or a polars LazyFrame/DataFrame of ti.history "
-            f"rows, got {type(source).__name__}"
-        )
+    condition = row_filter(
+        layers=names(layer, "layer"), signals=signal_names(signal), metrics=names(metric, "metric")
+    )
+    frame = apply(history_frame(source, scan_ranks), condition)
     key = [*TENSOR_KEY, align_on]
-    for expr in filters:
-        frame = frame.filter(expr)
     rows = frame.select(
         [*key, pl.col("rank").cast(pl.Int32), "run_id", pl.col("value").cast(pl.Float64)]
     )

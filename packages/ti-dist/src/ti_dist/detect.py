@@ -130,8 +130,12 @@ def _slurm_reading(env: Mapping[str, str]) -> _Reading | None:
 
 
 def _process_group_reading() -> _Reading | None:
-    import torch.distributed as dist
-
+    # torch is not a dependency (the readers run without it): a process without torch has
+    # no process group.
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
     if not (dist.is_available() and dist.is_initialized()):
         return None
     rank = dist.get_rank()

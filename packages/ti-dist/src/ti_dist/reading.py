@@ -17,7 +17,7 @@ from typing import Any, Final, cast
 
 import polars as pl
 
-from ti_schema import DICTIONARY_COLUMNS
+from ti_io.read.frames import plain_strings
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_parts, list_rank_dirs
 
 _ENGINE_ARGUMENT_SINCE: Final[tuple[int, int]] = (1, 25)
@@ -67,11 +67,9 @@ def find_history_sources(output_dir: str | os.PathLike[str]) -> list[HistorySour
 
 
 def _scan(source: HistorySource) -> pl.LazyFrame:
-    frame = pl.scan_parquet([str(p) for p in source.files])
-    # Writers may dictionary-encode repeated strings (read as Categorical); plain strings make
-    # frames from different writers concatenate and compare alike. Every ti.history file has
-    # these columns, so the cast needs no look at the file: building the scan reads nothing.
-    return frame.with_columns([pl.col(name).cast(pl.String) for name in sorted(DICTIONARY_COLUMNS)])
+    # Plain strings, so that frames of different writers concatenate and compare alike. Every
+    # ti.history file has the cast columns, so building the scan reads nothing.
+    return plain_strings(pl.scan_parquet([str(p) for p in source.files]))
 
 
 def scan_ranks(output_dir: str | os.PathLike[str]) -> pl.LazyFrame:

@@ -22,13 +22,13 @@ replicated or several-dimensional placements (``@R``, ``@R,S(0)``) are left alon
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Final
 
 import polars as pl
 
 from ti_dist.compare import AlignOn
 from ti_dist.reading import scan_ranks
+from ti_io.read.frames import PathOrFrame, history_frame
 from ti_schema import DEFAULT_PROFILE, MetricProfile, MetricSpec
 
 KEY: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path")
@@ -64,21 +64,8 @@ def _combined(profile: MetricProfile) -> tuple[str, ...]:
     return (*names, FINITE_WEIGHT) if FINITE_WEIGHT not in names else tuple(names)
 
 
-def _frame(source: str | os.PathLike[str] | pl.LazyFrame | pl.DataFrame) -> pl.LazyFrame:
-    if isinstance(source, pl.DataFrame):
-        return source.lazy()
-    if isinstance(source, pl.LazyFrame):
-        return source
-    if isinstance(source, (str, os.PathLike)):
-        return scan_ranks(source)
-    raise TypeError(
-        "source must be an output_dir path or a polars LazyFrame/DataFrame of ti.history "
-        f"rows, got {type(source).__name__}"
-    )
-
-
 def combine_shards(
-    source: str | os.PathLike[str] | pl.LazyFrame | pl.DataFrame,
+    source: PathOrFrame,
     *,
     align_on: AlignOn = "sample_id",
     profile: MetricProfile = DEFAULT_PROFILE,
@@ -98,7 +85,7 @@ def combine_shards(
     """
     if align_on not in ("sample_id", "forward_index"):
         raise ValueError(f"align_on must be 'sample_id' or 'forward_index', got {align_on!r}")
-    frame = _frame(source)
+    frame = history_frame(source, scan_ranks)
     combined = _combined(profile)
     all_ranks = frame.select(pl.col("rank").unique().sort()).collect()["rank"].to_list()
     key = [*KEY, align_on]

@@ -7,27 +7,64 @@ to a caller-owned TensorBoard writer; ``scan_history`` and ``consolidate`` read 
 run written by torchinstruments 0.8.0.
 ``inject_observer(model, output_dir=...)`` finds ``DirectorySink`` through the ``ti.sinks``
 entry point, so ti-core never imports this package.
+
+The package has two sides: :mod:`ti_io.write` (what a training process runs: the sink, the
+part writer, TensorBoard events) and :mod:`ti_io.read` / :mod:`ti_io.finish` (reading,
+comparing and finalizing runs, with Polars); :mod:`ti_io.cli` is the ``ti`` command. Names are
+imported on first use, so a process that only writes parts never loads Polars.
 """
 
 from __future__ import annotations
 
-from ti_io.compare import ComparedRun, compare_runs, compare_series, open_runs, unshared
-from ti_io.config import HistoryConfig
-from ti_io.consolidate import Consolidated, consolidate
-from ti_io.directory_sink import DirectorySink
-from ti_io.errors import (
-    ArtifactWriteError,
-    FinalizationBusyError,
-    FinalizationError,
-    NothingToConsolidateError,
-    ShrinkRefusedError,
-)
-from ti_io.legacy import Upgraded, UpgradedRun, UpgradeError, upgrade
-from ti_io.legacy_layout import LegacyRunError, legacy_reason
-from ti_io.progress import ProgressCallback
-from ti_io.readers import scan_history
-from ti_io.tags import histogram_tag
-from ti_io.tensorboard_sink import TensorBoardSink
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ti_io.config import HistoryConfig
+    from ti_io.errors import (
+        ArtifactWriteError,
+        FinalizationBusyError,
+        FinalizationError,
+        NothingToConsolidateError,
+        ShrinkRefusedError,
+    )
+    from ti_io.finish.consolidate import Consolidated, consolidate
+    from ti_io.finish.upgrade import Upgraded, UpgradedRun, UpgradeError, upgrade
+    from ti_io.progress import ProgressCallback
+    from ti_io.read.compare import ComparedRun, compare_runs, compare_series, open_runs, unshared
+    from ti_io.read.history import scan_history
+    from ti_io.read.legacy_layout import LegacyRunError, legacy_reason
+    from ti_io.write.directory_sink import DirectorySink
+    from ti_io.write.tags import histogram_tag
+    from ti_io.write.tensorboard_sink import TensorBoardSink
+
+_LAZY: dict[str, str] = {
+    "ArtifactWriteError": "ti_io.errors",
+    "ComparedRun": "ti_io.read.compare",
+    "Consolidated": "ti_io.finish.consolidate",
+    "DirectorySink": "ti_io.write.directory_sink",
+    "FinalizationBusyError": "ti_io.errors",
+    "FinalizationError": "ti_io.errors",
+    "HistoryConfig": "ti_io.config",
+    "LegacyRunError": "ti_io.read.legacy_layout",
+    "NothingToConsolidateError": "ti_io.errors",
+    "ProgressCallback": "ti_io.progress",
+    "ShrinkRefusedError": "ti_io.errors",
+    "TensorBoardSink": "ti_io.write.tensorboard_sink",
+    "UpgradeError": "ti_io.finish.upgrade",
+    "Upgraded": "ti_io.finish.upgrade",
+    "UpgradedRun": "ti_io.finish.upgrade",
+    "compare_runs": "ti_io.read.compare",
+    "compare_series": "ti_io.read.compare",
+    "consolidate": "ti_io.finish.consolidate",
+    "histogram_tag": "ti_io.write.tags",
+    "legacy_reason": "ti_io.read.legacy_layout",
+    "open_runs": "ti_io.read.compare",
+    "scan_history": "ti_io.read.history",
+    "unshared": "ti_io.read.compare",
+    "upgrade": "ti_io.finish.upgrade",
+}
+"""Where each public name lives; :func:`__getattr__` imports the module on first use."""
 
 __all__ = [
     "ArtifactWriteError",
@@ -55,3 +92,16 @@ __all__ = [
     "unshared",
     "upgrade",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ti_io' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -49,10 +49,11 @@ def plain_schema(schema: pa.Schema) -> pa.Schema:
     )
 
 
-def footer_metadata(schema: pa.Schema) -> dict[bytes, bytes]:
-    """The footer key-value metadata that pyarrow writes for a table of ``schema``: the
-    schema's own metadata and the serialized Arrow schema (``ARROW:schema``, base64; Arrow's
-    convention), from which readers restore the exact Arrow types and field metadata."""
+def arrow_footer_metadata(schema: pa.Schema) -> dict[bytes, bytes]:
+    """The Parquet footer key-value metadata that pyarrow writes for a table of ``schema``:
+    the schema's own metadata and the serialized Arrow schema (``ARROW:schema``, base64;
+    Arrow's convention), from which readers restore the exact Arrow types and field metadata.
+    (``ti_schema.footer_metadata`` is the schema metadata alone, as Polars' writer takes it.)"""
     metadata = dict(schema.metadata or {})
     metadata[b"ARROW:schema"] = base64.b64encode(schema.serialize().to_pybytes())
     return metadata
@@ -105,8 +106,8 @@ class DictionaryCache:
 
 __all__ = [
     "DictionaryCache",
+    "arrow_footer_metadata",
     "dictionary_columns",
     "dictionary_schema",
-    "footer_metadata",
     "plain_schema",
 ]

@@ -19,11 +19,11 @@ try:
     from matplotlib.figure import Figure
 except ImportError as _import_error:
     raise ImportError(
-        "Please install `matplotlib` to plot comparisons (ti compare --plot, ti_io.plot), "
+        "Please install `matplotlib` to plot comparisons (ti compare --plot, ti_io.read.plot), "
         'you can use the `plot` optional group — `pip install "ti-io[plot]"`'
     ) from _import_error
 
-from ti_io.compare import KEY
+from ti_io.read.compare import KEY
 
 MAX_PANELS: Final[int] = 16
 """One panel per measurement: more would not be readable; narrow the comparison instead."""

@@ -18,7 +18,6 @@ that run (never dropped). Runs of another contract major, or written by torchins
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,10 +28,12 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from ti_io.facts import read_catalog, read_run_facts
-from ti_io.legacy_layout import check_not_legacy
-from ti_io.readers import scan_history
-from ti_io.result_json import GROUP_KEYS
-from ti_schema import DEFAULT_METRICS, DICTIONARY_COLUMNS, SIGNALS, check_compatible
+from ti_io.read.filters import matching_layers, names, row_filter, signal_names
+from ti_io.read.frames import plain_strings
+from ti_io.read.history import scan_history
+from ti_io.read.legacy_layout import check_not_legacy
+from ti_io.read.ordering import GROUP_KEYS, ordered
+from ti_schema import DEFAULT_METRICS, check_compatible
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_parts, list_rank_dirs
 
 KEY: Final[tuple[str, ...]] = GROUP_KEYS
@@ -298,12 +299,7 @@ def _unique_labels(paths: list[Path]) -> list[str]:
 
 
 def _scan(directory: Path) -> pl.LazyFrame:
-    frame = scan_history(directory)
-    names = frame.collect_schema().names()
-    # Writers may dictionary-encode strings (read as Categorical): plain strings join alike.
-    return frame.with_columns(
-        pl.col(name).cast(pl.String) for name in sorted(DICTIONARY_COLUMNS) if name in names
-    )
+    return plain_strings(scan_history(directory), check=True)
 
 
 def _contract_version(directory: Path) -> str | None:
@@ -323,17 +319,6 @@ def _window(window: int | None, opened: list[ComparedRun]) -> int:
     return window
 
 
-def _names(value: str | Sequence[str] | None, what: str) -> list[str] | None:
-    if value is None:
-        return None
-    values = [value] if isinstance(value, str) else list(value)
-    if not values or not all(isinstance(v, str) for v in values):
-        raise TypeError(
-            f"{what} must be a string or a non-empty sequence of strings, got {value!r}"
-        )
-    return values
-
-
 def _distinct(scans: list[pl.LazyFrame], column: str) -> list[list[str]]:
     return [
         scan.select(pl.col(column).unique()).collect().get_column(column).to_list()
@@ -348,49 +333,37 @@ def _filters(
     layer: str | Sequence[str] | None,
     signal: str | Sequence[str] | None,
     metric: str | Sequence[str] | None,
-) -> list[pl.Expr]:
-    """The row filters for ``layer`` globs, ``signal`` and ``metric`` names, checked against
+) -> pl.Expr | None:
+    """The row filter for ``layer`` globs, ``signal`` and ``metric`` names, checked against
     what the runs hold; then that the runs share a layer."""
-    filters = []
     layers_per_run = _distinct(scans, "layer")
-    patterns = _names(layer, "layer")
+    patterns = names(layer, "layer")
+    matched: list[str] | None = None
     if patterns is not None:
-        matched = {
-            name
-            for names in layers_per_run
-            for name in names
-            if any(fnmatch.fnmatchcase(name, p) for p in patterns)
-        }
+        known = sorted({n for layers in layers_per_run for n in layers})
+        matched = matching_layers(known, patterns)
         if not matched:
-            known = sorted({n for names in layers_per_run for n in names})
             raise ValueError(
                 f"layer {patterns} matches no layer of any run; the runs hold {_preview(known)}"
             )
-        filters.append(pl.col("layer").is_in(sorted(matched)))
-        layers_per_run = [[n for n in names if n in matched] for names in layers_per_run]
-    signals = _names(signal, "signal")
-    if signals is not None:
-        unknown = sorted(set(signals) - set(SIGNALS))
-        if unknown:
-            raise ValueError(f"signal must be one of {list(SIGNALS)}, got {unknown}")
-        filters.append(pl.col("signal").is_in(signals))
-    metrics = _names(metric, "metric")
+        layers_per_run = [[n for n in layers if n in matched] for layers in layers_per_run]
+    signals = signal_names(signal)
+    metrics = names(metric, "metric")
     if metrics is not None:
-        held = {m for names in _distinct(scans, "metric") for m in names}
+        held = {m for found in _distinct(scans, "metric") for m in found}
         if not held & set(metrics):
             raise ValueError(
                 f"metric {metrics} matches no metric of any run; the runs hold "
                 f"{_preview(sorted(held))}"
             )
-        filters.append(pl.col("metric").is_in(metrics))
-    shared_layers = set.intersection(*(set(names) for names in layers_per_run))
+    shared_layers = set.intersection(*(set(layers) for layers in layers_per_run))
     if not shared_layers:
         held_by = "; ".join(
-            f"{run.label}: {_preview(sorted(names))}"
-            for run, names in zip(opened, layers_per_run, strict=True)
+            f"{run.label}: {_preview(sorted(layers))}"
+            for run, layers in zip(opened, layers_per_run, strict=True)
         )
         raise ValueError(f"the runs share no layer ({held_by}); compare runs of the same model")
-    return filters
+    return row_filter(layers=matched, signals=signals, metrics=metrics)
 
 
 def _cells(
@@ -403,7 +376,7 @@ def _cells(
     """The aligned grid (measurement x run x sample, ``value`` null where nothing was written),
     every (measurement, run) pair with ``in_run``, and the run labels."""
     scans = [_scan(run.directory) for run in opened]
-    filters = _filters(opened, scans, layer=layer, signal=signal, metric=metric)
+    condition = _filters(opened, scans, layer=layer, signal=signal, metric=metric)
     shared = sorted(set.intersection(*(set(run.samples) for run in opened)))
     if not shared:
         spans = "; ".join(f"{run.label}: {_span(run.samples)}" for run in opened)
@@ -412,8 +385,8 @@ def _cells(
     runs = pl.LazyFrame({"_run": list(range(len(opened)))}, schema={"_run": pl.Int32})
     frames = []
     for i, scan in enumerate(scans):
-        for expr in filters:
-            scan = scan.filter(expr)
+        if condition is not None:
+            scan = scan.filter(condition)
         frames.append(
             scan.select(*KEY, "sample_id", pl.col("value").cast(pl.Float64)).with_columns(
                 pl.lit(i, dtype=pl.Int32).alias("_run")
@@ -454,42 +427,13 @@ def _cells(
 def _ordered(
     table: pl.DataFrame, opened: list[ComparedRun], *, extra: tuple[str, ...] = ()
 ) -> pl.DataFrame:
-    """Sorted by the runs' catalog order of layers, then call, signal (contract order), tensor
-    path, context, metric (default profile order), run and ``extra``."""
+    """In the runs' row order (:mod:`ti_io.read.ordering`: layers as the runs' catalogs list
+    them, metrics in the default profile's order, runs may differ), then run and ``extra``."""
     layer_order: dict[str, int] = {}
     for run in opened:
         for info in read_catalog(run.directory) or ():
             layer_order.setdefault(info.name, len(layer_order))
-    signal_order = {name: i for i, name in enumerate(SIGNALS)}
-    metric_order = {name: i for i, name in enumerate(DEFAULT_METRICS)}
-    return (
-        table.with_columns(
-            pl.col("layer")
-            .replace_strict(layer_order, default=len(layer_order), return_dtype=pl.Int64)
-            .alias("_layer_order"),
-            pl.col("signal")
-            .replace_strict(signal_order, default=len(signal_order), return_dtype=pl.Int64)
-            .alias("_signal_order"),
-            pl.col("metric")
-            .replace_strict(metric_order, default=len(metric_order), return_dtype=pl.Int64)
-            .alias("_metric_order"),
-        )
-        .sort(
-            "_layer_order",
-            "layer",
-            "call_index",
-            "_signal_order",
-            "signal",
-            "tensor_path",
-            "mode",
-            "grad_enabled",
-            "_metric_order",
-            "metric",
-            "_run",
-            *extra,
-        )
-        .drop("_layer_order", "_signal_order", "_metric_order")
-    )
+    return ordered(table, layers=list(layer_order), metrics=DEFAULT_METRICS, then=("_run", *extra))
 
 
 def _preview(names: Sequence[str], limit: int = 8) -> str:

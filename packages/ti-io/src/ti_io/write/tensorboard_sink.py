@@ -1,7 +1,7 @@
 """Histograms as TensorBoard events: in the run directory, or in a caller-owned writer.
 
 Both paths write the same records: one legacy ``histo`` summary per focus-layer tensor, tagged
-by :func:`ti_io.tags.histogram_tag`, at ``step = sample_id`` and ``wall_time`` = the tensor's
+by :func:`ti_io.write.tags.histogram_tag`, at ``step = sample_id`` and ``wall_time`` = the tensor's
 timestamp. Rows with no finite entries (``num == 0``) have nothing to draw and are left out of
 TensorBoard; ``histograms.parquet`` keeps them.
 """
@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.compat.proto.summary_pb2 import HistogramProto
 
-from ti_io.tags import histogram_tag
+from ti_io.write.tags import histogram_tag
 from ti_schema.sink import RunInfo, SinkCapabilities
 
 
@@ -93,7 +93,7 @@ def masked_crc32c(data: bytes) -> int:
     checks), computed by google-crc32c's C implementation. TensorBoard's own
     (``tensorboard.compat.tensorflow_stub.pywrap_tensorflow.masked_crc32c``) is pure Python:
     about 60 us per 700-byte histogram event on the writer thread, holding the GIL that the
-    training thread needs (benchmarks/README.md, issue 16)."""
+    training thread needs (benchmarks/README.md, sampled-step cost)."""
     crc = int(google_crc32c.value(data))
     rotated = ((crc >> 15) | (crc << 17)) & 0xFFFFFFFF
     return (rotated + 0xA282EAD8) & 0xFFFFFFFF

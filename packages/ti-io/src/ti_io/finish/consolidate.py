@@ -2,9 +2,9 @@
 
 Shared by ``DirectorySink.close`` and by ``consolidate`` (after a crash). The steps, and how
 an interrupted finalization resumes from the step it completed, are the journal's
-(:mod:`ti_io.journal`); this module writes the final files from the parts. Memory stays
+(:mod:`ti_io.finish.journal`); this module writes the final files from the parts. Memory stays
 bounded: parts are streamed a row group at a time into a ``ParquetWriter`` and aggregates come
-from the compact digest built while streaming (:mod:`ti_io.digest`).
+from the compact digest built while streaming (:mod:`ti_io.finish.digest`).
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ti_io.config import HistoryConfig
-from ti_io.digest import HistoryDigest
-from ti_io.encoding import dictionary_columns, dictionary_schema, footer_metadata
+from ti_io.encoding import arrow_footer_metadata, dictionary_columns, dictionary_schema
 from ti_io.errors import FinalizationBusyError, FinalizationError, NothingToConsolidateError
 from ti_io.facts import RunFacts, read_run_facts
-from ti_io.index_md import write_index
-from ti_io.journal import Resumption, finalize_run, read_journal, stopped
-from ti_io.legacy_layout import check_not_legacy
+from ti_io.finish.digest import HistoryDigest
+from ti_io.finish.index_md import write_index
+from ti_io.finish.journal import Resumption, finalize_run, read_journal, stopped
+from ti_io.finish.result_json import render, write_result_json
 from ti_io.progress import ProgressCallback
 from ti_io.publishing import publish_with
-from ti_io.result_json import render, write_result_json
+from ti_io.read.legacy_layout import check_not_legacy
 from ti_schema import histogram_schema, history_schema
 from ti_schema.layout import (
     HISTOGRAM_PARTS,
@@ -143,7 +143,7 @@ def _stream_parts(
                 rows += group.num_rows
             if digested is not None:
                 digested.result()
-            writer.add_key_value_metadata(footer_metadata(schema))
+            writer.add_key_value_metadata(arrow_footer_metadata(schema))
 
     publish_with(final, write)
     return rows
@@ -182,7 +182,8 @@ def finalize(
     progress: ProgressCallback | None = None,
 ) -> Consolidated:
     """Finalize ``directory``: write the final artifacts from its parts, then retire the parts,
-    resuming an interrupted finalization from the step its journal records (:mod:`ti_io.journal`).
+    resuming an interrupted finalization from the step its journal records
+    (:mod:`ti_io.finish.journal`).
 
     ``facts``: the run's (``DirectorySink`` knows them); None reads them from the directory
     when the files must be written (``window`` overrides the run's). ``resumption``: the

@@ -2,9 +2,9 @@
 
 Lifecycle (the observer owns it): constructed by the user or by ``output_dir=`` (arguments
 checked, no I/O); ``open`` claims the directory, publishes the layer catalog and index.md and
-starts the background writer (:mod:`ti_io.parts`, which publishes the rows on its own clock);
+starts the background writer (:mod:`ti_io.write.parts`, which publishes the rows on its own clock);
 ``write_*`` check each batch and hand it to the writer's buffer; ``close`` stops the writer,
-which publishes what is buffered, and finalizes (see :mod:`ti_io.consolidate`).
+which publishes what is buffered, and finalizes (see :mod:`ti_io.finish.consolidate`).
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from typing import Final, Literal
 import pyarrow as pa
 
 from ti_io.config import HistoryConfig
-from ti_io.consolidate import finalize
 from ti_io.errors import ArtifactWriteError, FinalizationError
 from ti_io.facts import RunFacts, write_run_file
-from ti_io.index_md import write_index
-from ti_io.journal import Resumption
-from ti_io.parts import Lost, PartWriter, WriteFailure
+from ti_io.finish.index_md import write_index
+from ti_io.finish.journal import Resumption
+from ti_io.finish.result_json import render, write_result_json
 from ti_io.publishing import present_artifacts, remove_run_artifacts
-from ti_io.result_json import render, write_result_json
-from ti_io.tensorboard_sink import EventFileHistograms
+from ti_io.write.parts import Lost, PartWriter, WriteFailure
+from ti_io.write.tensorboard_sink import EventFileHistograms
 from ti_schema import histogram_schema, history_schema
 from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, RESULT_FILE, TENSORBOARD_DIR
 from ti_schema.sink import Barrier, RunInfo, SinkCapabilities
@@ -272,6 +271,9 @@ class DirectorySink:
         assert self._directory is not None
         assert self._facts is not None
         try:
+            # Finalization reads with Polars: imported here, so that writing parts never does.
+            from ti_io.finish.consolidate import finalize
+
             # This process wrote run.json and is alive: until the journal exists, a later
             # `ti consolidate` from elsewhere needs --force (the error message says so).
             finalize(self._directory, self._facts, resumption=Resumption(force=True))

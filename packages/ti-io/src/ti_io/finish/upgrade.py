@@ -4,7 +4,7 @@ A 0.8.0 run holds ``history.parquet`` (or, interrupted, ``history.parts/NNNNNNNN
 with the twelve columns of ``LEGACY_COLUMNS`` and no ``ti`` footer, a ``result.json`` whose
 records are its layer catalog (``layer``, ``type``, ``aliases``), an ``index.md`` stating the
 sampler, rank and window, and ``tensorboard/``. Recognizing one is
-:mod:`ti_io.legacy_layout` (every ``ti`` command asks it first).
+:mod:`ti_io.read.legacy_layout` (every ``ti`` command asks it first).
 
 :func:`upgrade` converts one into the current contract in a new directory: the history
 streamed file by file with its columns mapped and tensor paths respelled (``output`` -> ``''``,
@@ -33,19 +33,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ti_io.consolidate import FINAL_COMPRESSION, ROW_GROUP_ROWS
-from ti_io.digest import HistoryDigest
 from ti_io.facts import CatalogLayer, RunFacts
-from ti_io.index_md import render as render_index
-from ti_io.legacy_layout import (
+from ti_io.finish.consolidate import FINAL_COMPRESSION, ROW_GROUP_ROWS
+from ti_io.finish.digest import HistoryDigest
+from ti_io.finish.index_md import render as render_index
+from ti_io.finish.result_json import render
+from ti_io.progress import ProgressCallback
+from ti_io.publishing import fsync_dir, publish_text, temp_path
+from ti_io.read.legacy_layout import (
     LEGACY_COLUMNS,
     history_files,
     legacy_run_reason,
     rank_dirs,
 )
-from ti_io.progress import ProgressCallback
-from ti_io.publishing import fsync_dir, publish_text, temp_path
-from ti_io.result_json import render
 from ti_schema import DEFAULT_METRICS, METADATA_KEY, PLACEHOLDERS, history_schema
 from ti_schema.layout import (
     HISTORY_FILE,
@@ -55,6 +55,7 @@ from ti_schema.layout import (
     TENSORBOARD_DIR,
     rank_of_dir,
 )
+from ti_schema.legacy_paths import modern_path
 
 LEGACY_PRODUCER: Final[str] = "torchinstruments 0.8.0"
 LEGACY_WINDOW: Final[int] = 20
@@ -117,22 +118,6 @@ def upgraded_from(directory: Path) -> tuple[str, tuple[str, ...]] | None:
 
 
 # --------------------------------------------------------------------------------- converting
-
-
-def modern_path(old: str) -> str:
-    """0.8.0's ``tensor_path`` in today's spelling: ``output`` / ``grad_output`` -> ``''``;
-    each further dotted segment ``[N]`` when it is an integer (a sequence index or an integer
-    key), else ``['key']``. 0.8.0 wrote a string key ``'0'`` and a key holding a dot the same
-    way as an index or two keys, so those cannot be told apart."""
-    for prefix in ("grad_output", "output"):
-        if old == prefix:
-            return ""
-        if old.startswith(prefix + "."):
-            segments = old[len(prefix) + 1 :].split(".")
-            return "".join(
-                f"[{int(s)}]" if re.fullmatch(r"-?\d+", s) else f"[{s!r}]" for s in segments
-            )
-    return old
 
 
 @dataclass(frozen=True)

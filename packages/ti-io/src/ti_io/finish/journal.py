@@ -68,6 +68,7 @@ from ti_schema.layout import (
     JOURNAL_FILE,
     RESULT_FILE,
     list_parts,
+    list_rank_dirs,
 )
 
 JOURNAL_FORMAT: Final[str] = "ti.finalization"
@@ -161,6 +162,26 @@ def read_journal(directory: Path) -> Journal | None:
     except FileNotFoundError:
         return None
     return Journal.from_json(text, path)
+
+
+def interrupted_finalizations(root: Path) -> tuple[list[str], list[str]]:
+    """The journals of ``root`` (or of its ``rank-NNN`` runs): problems with those that cannot
+    be read, and a note for each run whose finalization was interrupted (how to finish it)."""
+    problems: list[str] = []
+    notes: list[str] = []
+    runs = [child for _, child in list_rank_dirs(root)] or [root]
+    for run in runs:
+        try:
+            journal = read_journal(run)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{run / JOURNAL_FILE}: {exc}")
+            continue
+        if journal is not None:
+            notes.append(
+                f"{run}: its finalization was interrupted after the step {journal.state.value!r} "
+                f"({JOURNAL_FILE}); `ti consolidate {run}` finishes it"
+            )
+    return problems, notes
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
-import polars as pl
-
 from ti_io.facts import RunFacts, started_at_text
 from ti_io.publishing import publish_text
 from ti_schema import (
@@ -32,7 +30,6 @@ from ti_schema import (
 _MD_SPECIAL: Final[re.Pattern[str]] = re.compile(
     r"([\\`*\[\]<>|~&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))"
 )
-_UNAVAILABLE_LINES: Final[int] = 40
 
 
 def md_escape(text: str) -> str:
@@ -68,54 +65,6 @@ class HistoryFacts:
     """(layer, signal, metric, reason, rows), most frequent first, truncated."""
     unavailable_total: int = 0
     histograms: int | None = None
-
-
-def history_facts(history: pl.LazyFrame, histograms: pl.LazyFrame | None) -> HistoryFacts:
-    """Count rows, samples, time span and unavailable values of a history."""
-    overall = history.select(
-        pl.len().alias("rows"),
-        pl.col("sample_id").n_unique().alias("samples"),
-        pl.col("sample_id").min().alias("first_sample"),
-        pl.col("sample_id").max().alias("last_sample"),
-        pl.col("timestamp").min().alias("first_time"),
-        pl.col("timestamp").max().alias("last_time"),
-        pl.col("value").null_count().alias("unavailable"),
-    ).collect()
-    top = overall.row(0, named=True)
-    per_layer = (
-        history.group_by("layer")
-        .agg(pl.len().alias("rows"), pl.col("value").null_count().alias("unavailable"))
-        .collect()
-    )
-    missing = (
-        history.filter(pl.col("value").is_null())
-        .group_by("layer", "signal", "metric", "unavailable_reason")
-        .agg(pl.len().alias("rows"))
-        .sort(["rows", "layer", "signal", "metric"], descending=[True, False, False, False])
-        .head(_UNAVAILABLE_LINES)
-        .collect()
-    )
-    hist_rows = None
-    if histograms is not None:
-        hist_rows = int(histograms.select(pl.len()).collect().item())
-    return HistoryFacts(
-        rows=int(top["rows"]),
-        samples=int(top["samples"]),
-        first_sample=top["first_sample"],
-        last_sample=top["last_sample"],
-        first_time=top["first_time"],
-        last_time=top["last_time"],
-        layer_rows={
-            r["layer"]: (int(r["rows"]), int(r["unavailable"]))
-            for r in per_layer.iter_rows(named=True)
-        },
-        unavailable=[
-            (r["layer"], r["signal"], r["metric"], r["unavailable_reason"] or "", int(r["rows"]))
-            for r in missing.iter_rows(named=True)
-        ],
-        unavailable_total=int(top["unavailable"]),
-        histograms=hist_rows,
-    )
 
 
 def _fence(lines: Sequence[str], info: str = "text") -> list[str]:

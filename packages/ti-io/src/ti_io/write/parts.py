@@ -41,20 +41,21 @@ import pyarrow.parquet as pq
 
 from ti_io.encoding import (
     DictionaryCache,
+    arrow_footer_metadata,
     dictionary_columns,
     dictionary_schema,
-    footer_metadata,
     plain_schema,
 )
 from ti_io.errors import ArtifactWriteError
 from ti_io.publishing import publish_with
-from ti_io.tensorboard_sink import EventFileHistograms
+from ti_io.write.tensorboard_sink import EventFileHistograms
 from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, part_name
 
 PART_COMPRESSION: Final[str] = "lz4"
 """Parts are transient (consolidation rewrites them into the zstd-compressed final files), so
 they are written for speed: LZ4 and no column statistics took about half the writer's CPU
-time of zstd with statistics (benchmarks/README.md, issue 16)."""
+time of zstd with statistics (benchmarks/README.md, "Sampled steps, `many` with the
+directory sink: bigger parts, a time bound, LZ4")."""
 Lost = Literal["history rows", "histogram rows", "TensorBoard histograms", "final artifacts"]
 """What a failed write cost, as the error message names it."""
 Stream = Literal["history", "histograms"]
@@ -111,7 +112,7 @@ def _conformed(batch: pa.RecordBatch, schema: pa.Schema) -> pa.Table:
     # ti-core's batches already have the contract's fields (types, nullability, docs) and
     # differ at most in the schema's own metadata: relabelling them copies nothing, where
     # ``Table.cast`` runs one cast kernel per column, each releasing and re-taking the GIL
-    # that the training thread needs (issue 16). Anything else is cast, which also refuses
+    # that the training thread needs. Anything else is cast, which also refuses
     # nulls in a non-nullable column.
     table = pa.Table.from_batches([batch])
     same_fields = batch.schema.equals(schema.with_metadata(batch.schema.metadata or {}), True)
@@ -155,7 +156,7 @@ def write_parquet(path: Path, table: pa.Table) -> None:
             store_schema=False,  # the footer records the plain schema instead (below)
         ) as writer:
             writer.write_table(table)
-            writer.add_key_value_metadata(footer_metadata(plain_schema(table.schema)))
+            writer.add_key_value_metadata(arrow_footer_metadata(plain_schema(table.schema)))
 
     publish_with(path, write)
 

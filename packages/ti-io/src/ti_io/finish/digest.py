@@ -19,8 +19,9 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ti_io.index_md import HistoryFacts
-from ti_io.result_json import GROUP_KEYS, statistic_exprs, window_ranks
+from ti_io.finish.index_md import HistoryFacts
+from ti_io.read.aggregates import statistic_exprs, window_ranks
+from ti_io.read.ordering import GROUP_KEYS
 
 _KEYS: Final[list[str]] = list(GROUP_KEYS)
 _UNAVAILABLE_LINES: Final[int] = 40

@@ -2,9 +2,9 @@
 
 0.8.0 wrote ``history.parquet`` (or, interrupted, ``history.parts/NNNNNNNN.parquet``) with the
 twelve columns of :data:`LEGACY_COLUMNS` and no ``ti`` footer; a directory of its ``rank-NNN``
-runs counts as one too. Every ``ti`` command and :func:`ti_io.consolidate` ask
+runs counts as one too. Every ``ti`` command and :func:`ti_io.finish.consolidate` ask
 :func:`check_not_legacy` first, and say so in one line instead of failing on missing columns;
-converting such a run is :func:`ti_io.upgrade` (:mod:`ti_io.legacy`).
+converting such a run is :func:`ti_io.upgrade` (:mod:`ti_io.finish.upgrade`).
 """
 
 from __future__ import annotations
