@@ -88,18 +88,6 @@ def test_the_engine_follows_the_device() -> None:
     assert not support.uses_numpy(torch.device("meta"))
 
 
-def test_a_profile_row_needs_every_column_exactly_once() -> None:
-    lay = layout.DEFAULT_LAYOUT
-    full = {c: float(i) for i, c in enumerate(lay.columns)}
-    assert lay.in_order(full) == [float(i) for i in range(lay.width)]
-    assert lay.in_order(dict(reversed(full.items()))) == lay.in_order(full)  # by key
-    partial = {c: v for c, v in full.items() if c not in ("p50", "finite_count")}
-    with pytest.raises(ValueError, match=r"missing \['p50', 'finite_count'\]"):
-        lay.in_order(partial)
-    with pytest.raises(ValueError, match=r"missing \[\], unknown \['abs_max'\]"):
-        lay.in_order({**full, "abs_max": 0.0})  # a column the layout does not have
-
-
 @pytest.mark.parametrize("bins", [1, 30])
 def test_histogram_row_slices_partition_the_row(bins: int) -> None:
     width = layout.histogram_width(bins)

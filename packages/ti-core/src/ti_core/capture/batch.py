@@ -317,7 +317,7 @@ class TensorBatch:
         self._slot_dtype.append(dtype_name(t.dtype))
         if version is not None:
             self._seen[key] = (weakref.ref(tensor), version, slot)
-        reduction = self._reduction  # SlotReduction.add, inlined: it runs for every slot
+        reduction = self._reduction
         reduction.pending.append(snap)
         reduction.pending_slots.append(slot)
         if fits:

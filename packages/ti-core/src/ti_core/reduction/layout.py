@@ -14,8 +14,7 @@ edges, then the ``bins`` counts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Final, TypeVar
+from typing import Final
 
 from ti_schema import DEFAULT_PROFILE, MetricProfile
 
@@ -24,8 +23,6 @@ from ti_schema import DEFAULT_PROFILE, MetricProfile
 FINITE_COUNT_COLUMN: Final = "finite_count"
 """The last column of every profile row: finite entries of the tensor (a count, not a metric:
 it decides availability)."""
-
-_T = TypeVar("_T")
 
 
 class ProfileLayout:
@@ -62,16 +59,6 @@ class ProfileLayout:
             return self._index[name]
         except KeyError:
             raise KeyError(f"no column {name!r} in the layout {list(self.columns)}") from None
-
-    def in_order(self, columns: Mapping[str, _T]) -> list[_T]:
-        """The values of every column, keyed by name, as a list in row order."""
-        missing = [c for c in self.columns if c not in columns]
-        extra = [c for c in columns if c not in self._index]
-        if missing or extra:
-            raise ValueError(
-                f"a profile row needs every column; missing {missing}, unknown {extra}"
-            )
-        return [columns[c] for c in self.columns]
 
 
 DEFAULT_LAYOUT: Final = ProfileLayout(DEFAULT_PROFILE)

@@ -2,7 +2,7 @@
 
 Capture (:class:`~ti_core.capture.batch.TensorBatch`) decides what a slot is (a distinct
 tensor, snapshotted at the module boundary) and which entries point at it; this module owns
-what happens to the slots' tensors: they wait (:meth:`SlotReduction.add`) until a snapshot
+what happens to the slots' tensors: they wait (:attr:`SlotReduction.pending`) until a snapshot
 budget or the end of the signal, are reduced together by the :class:`ReductionPlan` with the
 histograms of the focus slots counted from the same pass, and their measurements are handed
 back in any entry order (:meth:`SlotReduction.rows`).
@@ -38,8 +38,9 @@ class SlotReduction:
         """Called after each reduction: every tensor added before it is no longer read."""
         self._n_metrics = len(plan.metric_names)
         self.pending: list[torch.Tensor] = []
-        """Tensors waiting for :meth:`reduce_pending` (the caller appends to it and to
-        :attr:`pending_slots` together, one call less per tensor on the capture path)."""
+        """Tensors waiting for :meth:`reduce_pending` (snapshots, or a tensor itself): the
+        caller appends each with its slot in :attr:`pending_slots`, without a call per tensor
+        on the capture path."""
         self.pending_slots: list[int] = []
         """The slot of each of :attr:`pending`."""
         self._values: list[np.ndarray] = []
@@ -49,11 +50,6 @@ class SlotReduction:
         self.errors: list[BaseException] = []
         self.histograms: dict[int, np.ndarray] = {}
         """Histogram row (``ti_core.reduction.layout``) of each reduced focus slot."""
-
-    def add(self, tensor: torch.Tensor, slot: int) -> None:
-        """Queue ``tensor`` (its snapshot, or the tensor itself) as the value of ``slot``."""
-        self.pending.append(tensor)
-        self.pending_slots.append(slot)
 
     def reduce_pending(self, parallel: bool = False) -> None:
         """Reduce every queued tensor, and count the histograms of the focus slots."""
