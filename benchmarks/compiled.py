@@ -17,7 +17,8 @@ cold (a fresh inductor cache directory per process, on-disk caches off).
 Configurations: ``aa`` times a second bare copy against the first (the noise floor of the
 ratios); ``compile-first`` observes the ``OptimizedModule``; ``inject-first`` compiles the
 observed module; both sample forward 0 only (in the warmup), so every timed step is unsampled;
-``every`` (compile-first) samples every forward.
+``every`` (compile-first) samples every forward; ``sentinel`` (compile-first, unsampled) adds
+the flight recorder's non-finite check to every forward's graph.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-CONFIGS = ("aa", "compile-first", "inject-first", "every")
+CONFIGS = ("aa", "compile-first", "inject-first", "every", "sentinel")
 WORKLOADS = ("mlp", "block")
 DESCRIPTIONS = {
     "mlp": "8 x (Linear(128,128) + in-place ReLU) + Linear(128,16), input (64,128), 17 leaves",
@@ -144,6 +145,8 @@ def one(workload: str, config: str, pairs: int, steps: int) -> dict[str, Any]:
     sampler = AlwaysSampler() if config == "every" else EveryNForwardsSampler(10**9)
     sink = MemorySink()
     options: dict[str, Any] = {"output_dir": None, "sink": sink, "sampler": sampler}
+    if config == "sentinel":
+        options["sentinel"] = True
     if config == "aa":
         target = observed = torch.compile(model, fullgraph=True)
     elif config == "inject-first":

@@ -3,7 +3,8 @@
 Every configuration runs in its own fresh process (benchmarks/worker.py) with one intra-op
 thread. Configurations: ``bare`` (no observer), ``unsampled`` (attached; the one sampled first
 forward is in the warmup), ``every`` (AlwaysSampler), ``every`` with ``MemorySink``, and
-``interval`` (the default 60-s TimedSampler over N steps, first sample included). A workload's
+``interval`` (the default 60-s TimedSampler over N steps, first sample included), and
+``precision3`` (``every`` with three ``precision=`` formats). A workload's
 configurations run in ``--rounds`` interleaved rounds (alternately forward and reversed order),
 a fresh process each per round; a ratio is the median over rounds of the configuration's time
 over the same round's bare time, so a drift of the machine's speed over minutes mostly cancels
@@ -58,7 +59,9 @@ sys.path.insert(0, str(HERE))
 import workloads  # noqa: E402
 
 WORKLOADS = ("sequence", "many", "large", "history", "conv", "transformer")
-CONFIGS = ("bare", "unsampled", "every", "every-memory", "interval")
+NAMED_ONLY = ("gpt2",)
+"""Workloads run only when ``--workloads`` names them (GPT-2 small's size: seconds per step)."""
+CONFIGS = ("bare", "unsampled", "every", "every-memory", "interval", "precision3", "sentinel")
 HISTORY_ROWS, HISTORY_ROWS_QUICK = 900_000, 90_000
 BASELINE, REFERENCE = workloads.BASELINE, workloads.REFERENCE
 
@@ -161,6 +164,9 @@ TARGETS = (
     Target("large", "every", "peak RSS", 2.0, "MB"),
     Target("history", "finalize", "finalize (consolidation + result.json)", 2.0, "s"),
     Target("history", "finalize", "RSS growth", 200.0, "MB"),
+    # The flight recorder's sentinel: unsampled forwards with the check on every forward.
+    Target("sequence", "sentinel", "sentinel, unsampled", 1.10, "x"),
+    Target("gpt2", "sentinel", "sentinel, unsampled", 1.05, "x"),
 )
 TARGETS_PRESET = {
     "workloads": ["sequence", "many", "large"],
@@ -323,7 +329,7 @@ _MEDIAN_KEYS = ("removal_s", "inject_s", "peak_rss_mb", "rss_growth_mb", "peak_d
 _COUNT_KEYS = ("steps_timed", "history_rows", "syncs_per_step")
 # Configurations whose history rows the plan fixes (count-based samplers; finalize's synthetic
 # history). The 60-s interval's depend on the clock, so they may differ between rounds.
-_DETERMINISTIC_ROWS = ("unsampled", "every", "finalize")
+_DETERMINISTIC_ROWS = ("unsampled", "every", "precision3", "sentinel", "finalize")
 
 
 def round_order(items: list[Any], index: int) -> list[Any]:
@@ -623,8 +629,8 @@ def _specs(args: argparse.Namespace, baseline: bool) -> list[list[dict[str, Any]
         ]
         for config in args.configs:
             for impl in impls if config != "bare" else ["ti"]:
-                if config == "every-memory" and impl == BASELINE:
-                    continue  # 0.8.0 has no MemorySink
+                if config in ("every-memory", "precision3", "sentinel") and impl == BASELINE:
+                    continue  # 0.8.0 has no MemorySink, precision profile or sentinel
                 base_config, sink = (
                     ("every", "memory") if config == "every-memory" else (config, "dir")
                 )
@@ -645,7 +651,9 @@ def _specs(args: argparse.Namespace, baseline: bool) -> list[list[dict[str, Any]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)"
+        "--workloads",
+        help=f"comma-separated subset of {','.join(WORKLOADS + NAMED_ONLY)} (default: all but "
+        f"{','.join(NAMED_ONLY)})",
     )
     parser.add_argument(
         "--configs", help=f"comma-separated subset of {','.join(CONFIGS)} (default: all)"
@@ -693,8 +701,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.rounds is None and preset:
         args.rounds = preset["rounds"]
     for name in args.workloads:
-        if name not in WORKLOADS:
-            parser.error(f"--workloads: unknown {name!r}; choose from {','.join(WORKLOADS)}")
+        if name not in WORKLOADS + NAMED_ONLY:
+            parser.error(
+                f"--workloads: unknown {name!r}; choose from {','.join(WORKLOADS + NAMED_ONLY)}"
+            )
     for name in args.configs:
         if name not in CONFIGS:
             parser.error(f"--configs: unknown {name!r}; choose from {','.join(CONFIGS)}")

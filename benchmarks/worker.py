@@ -36,6 +36,9 @@ QUARTILES = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 
 BASELINE, REFERENCE = workloads.BASELINE, workloads.REFERENCE
 
+PRECISION3 = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+"""The formats of the ``precision3`` configuration: ``every`` with the precision profile."""
+
 
 class _Impl:
     """The observer implementation under test: this monorepo's ti_core, or torchinstruments."""
@@ -56,11 +59,15 @@ class _Impl:
     def inject(self, model: torch.nn.Module, config: str, sink: str, out: Path) -> Any:
         mod = self.mod
         kwargs: dict[str, Any] = {}
-        if config == "unsampled":
+        if config in ("unsampled", "sentinel"):
             # The first forward is always sampled; the warmup runs past it.
             kwargs["sampler"] = mod.EveryNForwardsSampler(10**9)
-        elif config == "every":
+        if config == "sentinel":
+            kwargs["sentinel"] = True  # the flight recorder's check on every forward
+        elif config in ("every", "precision3"):
             kwargs["sampler"] = mod.AlwaysSampler()
+        if config == "precision3":
+            kwargs["precision"] = PRECISION3
         memory = None
         if sink == "memory":
             memory = mod.MemorySink()
@@ -195,7 +202,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 work.step()
             if settle is not None:
                 settle()  # the warmup's sampled forwards are not part of the timed blocks
-            steps = spec["every_steps"] if config == "every" else spec["steps"]
+            steps = spec["every_steps"] if config in ("every", "precision3") else spec["steps"]
             times = _time_blocks(work.step, device, steps, spec["repeats"], settle)
             result["steps_timed"] = steps * spec["repeats"]
         result["step_s_median"] = statistics.median(times)

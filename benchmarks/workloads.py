@@ -60,6 +60,7 @@ DEFAULTS: dict[str, Defaults] = {
     "large": Defaults(warmup=2, steps=1, repeats=5, every_steps=1, interval_steps=20),
     "conv": Defaults(warmup=5, steps=20, repeats=7, every_steps=5, interval_steps=1_000),
     "transformer": Defaults(warmup=5, steps=20, repeats=7, every_steps=5, interval_steps=1_000),
+    "gpt2": Defaults(warmup=2, steps=3, repeats=5, every_steps=1, interval_steps=20),
 }
 QUICK = Defaults(warmup=2, steps=3, repeats=3, every_steps=2, interval_steps=30)
 
@@ -69,6 +70,8 @@ DESCRIPTIONS = {
     "large": "nn.Identity on a fresh torch.randn(16,777,217) float32 per step, forward + backward",
     "conv": "2 x Conv2d+ReLU, pool, Linear; input (8,3,32,32), forward + backward",
     "transformer": "nn.TransformerEncoderLayer(128, 4 heads, ff 256), input (4,32,128), fwd + bwd",
+    "gpt2": "transformers GPT2LMHeadModel(GPT2Config()), 124M parameters, 12 blocks, input ids"
+    " (1,32), fwd + bwd of the logits (needs transformers)",
     "history": "DirectorySink.close() on a synthetic 900,000-row history",
 }
 
@@ -116,6 +119,17 @@ def build(name: str, device: str = "cpu") -> Workload:
         ).to(dev)
         x = torch.randn(4, 32, 128, device=dev, requires_grad=True)
         return Workload(name, model, _train_step(model, x))
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config()).to(dev)  # GPT-2 small's shape, random weights
+        model.train()
+        ids = torch.randint(0, model.config.vocab_size, (1, 32), device=dev)
+
+        def step() -> None:
+            model(input_ids=ids).logits.square().mean().backward()
+
+        return Workload(name, model, step)
     if name == "large":
         model = nn.Identity().to(dev)
         generator = torch.Generator(device=dev).manual_seed(0)

@@ -16,10 +16,12 @@ interpreter start:
   program that failed still runs; the plain command after a kill) and `ti validate`, through
   ``ti_io.cli.main``, the ``ti`` command, in the process that forked the child.
 
-Two scenarios: ``remove_observer`` on a live run (2 steps' rows still buffered in memory, 3
-already published as parts), and ``consolidate`` of a run whose process was killed after
-publishing everything. BASE/results.json says what happened; the test compares every
-recovered directory with the reference.
+Three scenarios: ``remove_observer`` on a live run (2 steps' rows still buffered in memory, 3
+already published as parts), ``consolidate`` of a run whose process was killed after
+publishing everything, and ``skip_damaged``: `ti consolidate --skip-damaged` of that killed
+run with one bit flipped in a history part (kill cases only; recovered with the same command;
+run by tests/test_reliability_integrity.py). BASE/results.json says what happened; the test
+compares every recovered directory with the reference.
 
 The operations are what Python's audit hooks see on paths inside the run directory: ``open``
 (any mode, also of a directory to fsync it), ``os.rename`` (``os.replace`` too),
@@ -38,6 +40,7 @@ import contextlib
 import errno
 import gc
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -88,6 +91,7 @@ EVENTS = frozenset(
 ERRNOS = (errno.EIO, errno.ENOSPC, errno.EACCES)
 TEMP_NAME = re.compile(r"\.\d+-\d+-\d+\.ti-tmp")
 COMMAND = re.compile(r"`(ti consolidate[^`]*)`")
+SKIP_DAMAGED = "--skip-damaged"
 
 
 class Injector:
@@ -223,12 +227,29 @@ def finish_remove_observer(run: Path, injector: Injector) -> dict[str, Any]:
     return {"base": base, "said": [str(w.message) for w in caught]}
 
 
-def finish_consolidate(run: Path, injector: Injector) -> dict[str, Any]:
+def finish_consolidate(run: Path, injector: Injector, *options: str) -> dict[str, Any]:
     injector.install()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = ti(["consolidate", str(run)])
+        code = ti(["consolidate", *options, str(run)])
     return {"code": code, "said": [out.getvalue(), err.getvalue()]}
+
+
+def finish_skipping_damaged(run: Path, injector: Injector) -> dict[str, Any]:
+    return finish_consolidate(run, injector, SKIP_DAMAGED)
+
+
+def damage_one_part(run: Path) -> None:
+    """One bit flipped in the value page of the run's first history part
+    (tests/run_damage.py): the ``skip_damaged`` scenario's damage."""
+    spec = importlib.util.spec_from_file_location(
+        "run_damage", Path(__file__).with_name("run_damage.py")
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    damage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(damage)
+    damage.flip_value_bit(sorted((run / "history.parts").glob("part-*.parquet"))[0])
 
 
 def killed_after_publishing(run: Path) -> None:
@@ -321,14 +342,20 @@ def failures(trace: list[list[str]]) -> list[tuple[int, int]]:
 
 def scenario(base: Path, name: str, jobs: int) -> dict[str, Any]:
     """The reference, then every kill and fail case of one scenario (``jobs`` at a time)."""
-    finish = finish_remove_observer if name == "remove_observer" else finish_consolidate
+    finish = {
+        "remove_observer": finish_remove_observer,
+        "consolidate": finish_consolidate,
+        "skip_damaged": finish_skipping_damaged,
+    }[name]
     prepared = base / name / "prepared"
-    if name == "consolidate":
+    if name != "remove_observer":
         in_child(lambda: killed_after_publishing(prepared) or {})
+    if name == "skip_damaged":
+        damage_one_part(prepared)
 
     def fresh(case: str) -> Path:
         run = base / name / case
-        if name == "consolidate":
+        if name != "remove_observer":
             shutil.copytree(prepared, run)
         return run
 
@@ -347,11 +374,14 @@ def scenario(base: Path, name: str, jobs: int) -> dict[str, Any]:
         def kill(at: int = at) -> dict[str, Any]:
             run = fresh(f"kill-{at:03d}")
             died = in_child(lambda: finish(run, Injector(run, "kill", at)))
-            recovered = recover(run, None)  # `ti consolidate DIR`, as after any crash
+            # `ti consolidate DIR`, as after any crash (with the option the killed one had)
+            again = f"ti consolidate {SKIP_DAMAGED} {run}" if name == "skip_damaged" else None
+            recovered = recover(run, again)
             return {"mode": "kill", "at": at, "dir": str(run), **died, "recovery": recovered}
 
         cases.append((f"kill-{at:03d}", kill))
-    for at, error in failures(trace):
+    # skip_damaged: kills only (the failures of the same operations are consolidate's)
+    for at, error in failures(trace) if name != "skip_damaged" else []:
 
         def fail(at: int = at, error: int = error) -> dict[str, Any]:
             run = fresh(f"fail-{at:03d}-{errno.errorcode[error]}")

@@ -34,7 +34,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 JOB_TIMEOUT_S = 180
 STEPS = 4
-ARTIFACT_FILES = ("history.parquet", "histograms.parquet", "result.json", "index.md")
+ARTIFACT_FILES = (
+    "history.parquet",
+    "histograms.parquet",
+    "events.parquet",
+    "result.json",
+    "index.md",
+)
 
 # The training script every rank runs. argv[1]: JSON settings (see job_config): one or more
 # phases, each a fresh model trained for a few steps with its own rank policy, output_dir,

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from ti_examples.cli import main
-from ti_examples.experiments import ProblemResult
+from ti_examples.experiments import ProblemResult, describe
 from ti_examples.plotting import draw_comparison
 from ti_examples.problems import PROBLEMS, VARIANTS
 from ti_examples.training import ExperimentConfig, make_batches, train
-from ti_io import compare_runs
+from ti_io import compare_runs, read_events
 from ti_io.cli import main as ti_main
 from ti_schema.testing import assert_artifact_dir_conforms
 
@@ -217,6 +217,8 @@ def test_nonfinite(demo: tuple[Path, list[ProblemResult]]) -> None:
         before = fractions.filter(pl.col("forward_index") < ONSET_STEP)
         assert before["value"].max() == 0.0
         if variant == "broken":
+            # the sampler's forwards (the sentinel's dense capture adds others: tested below)
+            frame = frame.filter(pl.col("forward_index") % SAMPLE_EVERY == 0)
             _, standardized = split(series(frame, "standardize", "output", "nonfinite_fraction"))
             # one of the 16 features is 0/0 in every faulty batch
             assert np.all(standardized == pytest.approx(1 / 16))
@@ -224,6 +226,31 @@ def test_nonfinite(demo: tuple[Path, list[ProblemResult]]) -> None:
             assert np.all(final == 1.0)
         else:
             assert fractions["value"].max() == 0.0, f"{variant} has non-finite values"
+
+
+def test_sentinel_names_where_the_first_nan_appeared(
+    demo: tuple[Path, list[ProblemResult]],
+) -> None:
+    """The broken nonfinite run carries the flight recorder: one event, at the onset forward,
+    naming the standardization (the module that divides 0 by a zero std), printed beside the
+    evidence table; the other runs have an empty events table."""
+    output, results = demo
+    result = next(r for r in results if r.problem.name == "nonfinite")
+    (event,) = read_events(output / "nonfinite" / "broken").to_pylist()
+    assert (event["kind"], event["signal"]) == ("nonfinite", "output")
+    assert (event["layer"], event["forward_index"]) == ("standardize", ONSET_STEP)
+    assert event["dense_first_forward"] == ONSET_STEP + 1
+    (line,) = result.events
+    assert f"nonfinite at forward {ONSET_STEP}" in line
+    assert "first module standardize" in line
+    assert f"sentinel: {line}" in describe(result)
+    for variant in ("baseline", "fixed"):
+        assert read_events(output / "nonfinite" / variant).num_rows == 0
+    # the dense capture: every forward after the onset event is sampled, whatever the sampler
+    dense = history(output, "nonfinite", "broken").filter(
+        pl.col("forward_index").is_between(ONSET_STEP + 1, ONSET_STEP + event["dense_forwards"])
+    )
+    assert dense["forward_index"].n_unique() == event["dense_forwards"]
 
 
 def test_detached(demo: tuple[Path, list[ProblemResult]]) -> None:

@@ -60,6 +60,7 @@ def test_artifacts_have_exact_rows_and_conform(tmp_path: Path, synth: Callable[.
     sink.close()
     out = tmp_path / "stats"
     assert sorted(p.name for p in out.iterdir()) == [
+        "events.parquet",
         "histograms.parquet",
         "history.parquet",
         "index.md",

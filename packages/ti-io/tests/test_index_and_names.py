@@ -56,6 +56,7 @@ def test_arbitrary_names_stay_inside_the_directory_and_the_formats(tmp_path: Pat
     assert {p.name for p in out.iterdir()} == {
         "history.parquet",
         "histograms.parquet",
+        "events.parquet",
         "result.json",
         "index.md",
         "tensorboard",

@@ -20,8 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ti_io import LegacyRunError, UpgradeError, consolidate, legacy_reason, upgrade
+from ti_io import LegacyRunError, UpgradeError, consolidate, legacy_reason, upgrade, validate_run
 from ti_io.cli import main
+from ti_io.integrity import verify_parquet
 from ti_io.read.legacy_layout import LEGACY_COLUMNS
 from ti_schema import DEFAULT_METRICS, parse_metadata
 from ti_schema.legacy_paths import modern_path
@@ -307,3 +308,15 @@ def test_upgrade_reports_progress_in_history_rows(
     assert "upgrading" in err
     assert "upgrading" not in out
     assert out.count("upgraded the torchinstruments 0.8.0") == 2
+
+
+def test_the_upgraded_run_carries_page_checksums(tmp_path: Path) -> None:
+    """0.8.0 wrote no page checksums (read unverified); what upgrade writes has them."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    write_legacy_run(old, samples=5)
+    assert not verify_parquet(old / "history.parquet").checksummed
+    upgrade(old, new)
+    assert verify_parquet(new / "history.parquet").checksummed
+    found = validate_run(new)
+    assert found.ok, found.problems
+    assert found.unverified == ()

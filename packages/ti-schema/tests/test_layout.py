@@ -70,10 +70,12 @@ def test_run_entries_name_every_file_and_directory_of_a_run() -> None:
     assert layout.RUN_ENTRIES == (
         "history.parquet",
         "histograms.parquet",
+        "events.parquet",
         "result.json",
         "index.md",
         "finalization.json",
         "history.parts",
         "histograms.parts",
+        "events.parts",
         "tensorboard",
     )

@@ -91,6 +91,8 @@ def test_options_are_inject_observers_and_checked_at_construction() -> None:
         "handle_sigterm",
         "signals",
         "update_budget_bytes",
+        "sentinel",
+        "precision",
     }
     with pytest.raises(TypeError, match=r"unexpected keyword argument.*outputdir"):
         Attachment({"outputdir": "x"}, "Cb")

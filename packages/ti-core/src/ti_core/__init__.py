@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from ti_core.api import has_observer, inject_observer, observe, observer_of, remove_observer
+from ti_core.api import (
+    has_observer,
+    inject_observer,
+    observe,
+    observer_of,
+    remove_observer,
+    trigger_capture,
+)
 from ti_core.errors import (
     ErrorPolicyName,
     MissingProviderError,
@@ -14,12 +21,14 @@ from ti_core.ranks import RankPolicy, RankSelection
 from ti_core.reduction.plan import DefaultProfile, Reducer, default_reducers
 from ti_core.sampling import AlwaysSampler, EveryNForwardsSampler, Sampler, TimedSampler
 from ti_core.selection import leaf_modules
+from ti_core.sentinel import Event, Sentinel
 from ti_core.sink import LayerInfo, RunInfo, Sink, SinkCapabilities
 
 __all__ = [
     "AlwaysSampler",
     "DefaultProfile",
     "ErrorPolicyName",
+    "Event",
     "EveryNForwardsSampler",
     "LayerInfo",
     "MemorySink",
@@ -30,6 +39,7 @@ __all__ = [
     "Reducer",
     "RunInfo",
     "Sampler",
+    "Sentinel",
     "Sink",
     "SinkCapabilities",
     "TelemetryWarning",
@@ -41,4 +51,5 @@ __all__ = [
     "observe",
     "observer_of",
     "remove_observer",
+    "trigger_capture",
 ]

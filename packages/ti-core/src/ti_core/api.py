@@ -12,7 +12,7 @@ from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from os import PathLike
-from typing import Final, TypedDict, Unpack
+from typing import Final, Literal, TypedDict, Unpack
 
 from torch import nn
 
@@ -26,6 +26,7 @@ from ti_core.observer import Observer
 from ti_core.ranks import RankPolicy
 from ti_core.records import RunColumns
 from ti_core.reduction.plan import ReducerSpec, ReductionPlan, default_reducers
+from ti_core.reduction.precision import with_precision
 from ti_core.sampling import (
     DEFAULT_INTERVAL,
     Sampler,
@@ -33,8 +34,11 @@ from ti_core.sampling import (
     interval_seconds,
 )
 from ti_core.selection import Selector, select_modules, unwrap_model
+from ti_core.sentinel import Event, Sentinel, resolve_sentinel
+from ti_core.sentinel.options import check_forwards
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
 from ti_schema import DEFAULT_SIGNALS, SIGNALS, Signal, histogram_schema, history_schema
+from ti_schema.precision import check_formats
 
 
 class _DefaultOutputDir(str):
@@ -186,6 +190,8 @@ def inject_observer(
     signals: Collection[Signal] = DEFAULT_SIGNALS,
     update_budget_bytes: int = DEFAULT_UPDATE_BUDGET_BYTES,
     handle_sigterm: bool = True,
+    precision: Collection[str] = (),
+    sentinel: bool | Sentinel = False,
 ) -> None:
     """Attach an observer that records selected modules' outputs and output gradients.
 
@@ -210,6 +216,18 @@ def inject_observer(
     from the main thread only. Pass False when the program manages its signals itself
     (docs/reliability.md, "Preemption"). At interpreter exit without ``remove_observer`` the
     observer's rows are published either way.
+
+    ``precision`` (default none): low-precision formats, named as torch dtypes
+    (``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``, and the block-scaled
+    ``"mxfp8_e4m3"``); every measured tensor then also gets ``min_abs_nonzero`` and, per
+    format, ``underflow_fraction.F``, ``subnormal_fraction.F`` and ``overflow_fraction.F``:
+    what casting it to ``F`` would lose, exactly as ``tensor.to(F)`` (docs/metrics.md).
+
+    ``sentinel`` (default False): the flight recorder. ``True`` (or ``Sentinel(...)`` for its
+    options) checks every selected module's outputs and output gradients for NaN and infinity
+    on every root forward, sampled or not, records a ``nonfinite`` event naming the first
+    module, and samples the next ``dense_forwards`` root forwards in full (docs/capture.md,
+    "Flight recorder"). It costs per-module work on every forward, which is why it is opt-in.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -231,6 +249,7 @@ def inject_observer(
             "SIGTERM to a program that manages its signals itself)"
         )
     chosen_signals = _resolve_signals(signals)
+    chosen_sentinel = resolve_sentinel(sentinel)
     if isinstance(update_budget_bytes, bool) or not isinstance(update_budget_bytes, int):
         raise TypeError(
             f"update_budget_bytes= must be an int >= 0 (bytes), got {update_budget_bytes!r}"
@@ -255,7 +274,7 @@ def inject_observer(
     target = unwrap_model(model)
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
     adapted = legacy.adapt_reducers(default_reducers() if reducers is None else reducers)
-    plan = ReductionPlan(adapted.reducers)
+    plan = ReductionPlan(with_precision(adapted.reducers, precision))
     sinks = _resolve_sinks(output_dir, legacy.adapt_sinks(sink, selection.modules))
     capabilities = read_capabilities(sinks)  # TypeError for a malformed one, before any opens
     ranks = resolve.select_rank(policy)
@@ -282,7 +301,9 @@ def inject_observer(
             "selector": repr(selector) if selector is not None else "leaf_modules()",
             "rank_policy": repr(rank_policy),
             "signals": ",".join(chosen_signals),
+            **({"sentinel": repr(chosen_sentinel)} if chosen_sentinel is not None else {}),
             **adapted.notes,
+            **({"precision": ",".join(check_formats(precision))} if precision else {}),
             **(
                 {"update_budget_bytes": str(update_budget_bytes)}
                 if "parameter_update" in chosen_signals
@@ -327,6 +348,7 @@ def inject_observer(
         background=_background_allowed(plan, capabilities, errors),
         signals=chosen_signals,
         update_budget_bytes=update_budget_bytes,
+        sentinel=chosen_sentinel,
     )
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)
@@ -374,6 +396,49 @@ def remove_observer(model: nn.Module) -> None:
         observer.sinks.report(sink, "closing", error)
 
 
+def trigger_capture(
+    model: nn.Module,
+    *,
+    forwards: int | None = None,
+    reason: str,
+    kind: Literal["manual", "loss"] = "manual",
+    value: float | None = None,
+) -> Event | None:
+    """Ask for a dense capture now: the next ``forwards`` root forwards of ``model`` are
+    sampled in full, whatever the sampler says (default: the sentinel's ``dense_forwards``,
+    else 4), and a ``ti.events`` row of ``kind`` (``"manual"``; ``"loss"`` for a loss test,
+    with the loss as ``value``) records ``reason``.
+
+    For a training loop's own test, e.g. ``if loss > 3 * running_mean: trigger_capture(model,
+    reason="loss spike")``. Works with or without the sentinel. Returns the event, or None
+    when ``model`` has no observer (this rank does not observe). Bad arguments raise whether
+    or not there is an observer.
+    """
+    if forwards is not None:
+        check_forwards(forwards, "trigger_capture(forwards=...)")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError(
+            f"trigger_capture(reason=...) must be a non-empty string saying why, got {reason!r}"
+        )
+    if kind not in ("manual", "loss"):
+        raise ValueError(
+            f"trigger_capture(kind=...) must be 'manual' or 'loss', got {kind!r} ('nonfinite' "
+            "events come from the sentinel)"
+        )
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"trigger_capture(value=...) must be a float or None, got {value!r}")
+        value = float(value)
+    observer = observer_of(model)
+    if observer is None:
+        return None
+    try:
+        return observer.recorder.trigger(kind, forwards=forwards, reason=reason, value=value)
+    except Exception as error:
+        observer.errors.handle("capture trigger", error)
+        return None
+
+
 class ObserverOptions(TypedDict, total=False):
     """The keyword options of :func:`inject_observer`, as :func:`observe` takes them."""
 
@@ -391,6 +456,8 @@ class ObserverOptions(TypedDict, total=False):
     signals: Collection[Signal]
     update_budget_bytes: int
     handle_sigterm: bool
+    sentinel: bool | Sentinel
+    precision: Collection[str]
 
 
 @contextmanager

@@ -29,6 +29,7 @@ from ti_core.compiled.sites import Sites
 from ti_core.errors import ErrorPolicy
 from ti_core.root_nesting import ThreadRoots
 from ti_core.sampling import Sampler
+from ti_core.sentinel.recorder import SENTINEL_STAGE, FlightRecorder
 from ti_core.stages import SAMPLING, stage_of
 
 _OUTPUT_CAPTURE = stage_of("output", "capture")
@@ -48,6 +49,7 @@ class CompiledGate:
     _sites: Sites
     _ahead: tuple[int, bool] | None
     _latest: int
+    _sentinel: FlightRecorder | None
 
     if TYPE_CHECKING:
 
@@ -99,9 +101,20 @@ class CompiledGate:
         except Exception as error:
             self._errors.handle(SAMPLING, error)
 
+    def _compiled_sentinel_end(self) -> None:
+        """A root forward whose root hooks were traced ended: the sentinel reads its flags."""
+        sentinel = self._sentinel
+        if sentinel is None or self.closed:
+            return
+        try:
+            sentinel.end()
+        except Exception as error:
+            self._errors.handle(SENTINEL_STAGE, error)
+
     def compiled_end(self) -> None:
         if in_backward():
             return
+        self._compiled_sentinel_end()
         local = self._local
         sample, local.sample = local.sample, None
         if sample is not None:
@@ -112,10 +125,32 @@ class CompiledGate:
     def compiled_advance(self) -> None:
         if self.closed or in_backward():
             return
+        self._compiled_sentinel_end()
         if self._ahead is None:
             next(self._counter)  # another thread took this forward's decision: count it
         self._ahead = None
         self.decide_ahead()
+
+    def compiled_check(self, values: list[torch.Tensor], layer: int, site: int) -> None:
+        sentinel = self._sentinel
+        if sentinel is None or self.closed or in_backward():
+            return
+        try:
+            sentinel.check_values(layer, self._sites.paths(site), values)
+        except Exception as error:
+            self._errors.handle(SENTINEL_STAGE, error)
+
+    def compiled_check_grad(
+        self, low: torch.Tensor, high: torch.Tensor, layer: int, site: int, position: int
+    ) -> None:
+        sentinel = self._sentinel
+        if sentinel is None or self.closed:
+            return
+        try:
+            path = self._sites.paths(site)[position]
+            sentinel.check_gradient_values(layer, path, low, high)
+        except Exception as error:
+            self._errors.handle(SENTINEL_STAGE, error)
 
     def compiled_record(
         self,

@@ -64,6 +64,7 @@ from ti_core.optimizer_hooks import OptimizerHooks
 from ti_core.root_nesting import ThreadRoots, has_ancestor
 from ti_core.sampling import Sampler
 from ti_core.selection import compiled_wrappers
+from ti_core.sentinel.recorder import SENTINEL_STAGE, FlightRecorder
 from ti_core.stages import SAMPLING, stage_of
 
 
@@ -113,6 +114,7 @@ class Gate(CompiledGate):
         owner: SampleOwner,
         parameters: ParameterCapture | None = None,
         call_overrides: bool = True,
+        sentinel: FlightRecorder | None = None,
     ) -> None:
         self._root_layer = root_layer
         self._sampler = sampler
@@ -143,6 +145,10 @@ class Gate(CompiledGate):
         self._optimizer_hooks = OptimizerHooks()
         if parameters is not None:
             parameters.bind(self._optimizer_hooks)
+        # The flight recorder's checks (None: the sentinel is off). They run on every root
+        # forward, so per-module capture stays installed from attach to close.
+        self._sentinel = sentinel
+        self._flags.sentinel = sentinel is not None
 
     # ------------------------------------------------------------------ observable state
 
@@ -175,6 +181,14 @@ class Gate(CompiledGate):
         """Nesting depth of root forwards on this thread (0 outside any)."""
         return self._local.depth
 
+    def current_index(self) -> int:
+        """Index of the root forward running now or last started (its decision taken ahead
+        under ``COMPILED_AHEAD``); -1 before the first."""
+        ahead = self._ahead
+        if self._state is _AHEAD and ahead is not None:
+            return ahead[0]
+        return self._latest
+
     @property
     def trace_key(self) -> int:
         """The key under which compiled graphs reach this gate (:mod:`ti_core.compiled`)."""
@@ -191,6 +205,8 @@ class Gate(CompiledGate):
             compiled = bool(compiled_wrappers(root))
             self._hooks.install_root(self, root, compiled=compiled)
             self._state = _IDLE
+            if self._sentinel is not None and not compiled:
+                self._install_capture_locked()
         if compiled:  # torch.compile's OptimizedModule: compiled from the start
             self.enter_compiled_mode(ahead=False)
 
@@ -213,6 +229,8 @@ class Gate(CompiledGate):
         self._state = _CAPTURING
 
     def _remove_capture_locked(self) -> None:
+        """Per-module capture off (-> ``IDLE``); kept while the sentinel checks every forward,
+        except at close and to reinstall it (``replica_entered``)."""
         self._hooks.remove_capture()
         if self._state is _CAPTURING:
             self._state = _IDLE
@@ -277,8 +295,10 @@ class Gate(CompiledGate):
                 sampled = bool(self._sampler.should_sample(index))
             self._latest = index
             self._flags.sampled = sampled  # what a compiled frame run next specializes on
+            if self._sentinel is not None:
+                self._sentinel.begin(index)
             if not sampled:
-                if self._state is _CAPTURING and not self._in_flight:
+                if self._state is _CAPTURING and not self._in_flight and self._sentinel is None:
                     with self._lock:
                         if self._state is _CAPTURING and not self._in_flight:
                             self._remove_capture_locked()
@@ -334,20 +354,37 @@ class Gate(CompiledGate):
             local.depth -= 1
         if not local.depth:
             local.outer = None
+            if self._sentinel is not None:
+                self._sentinel_end(module, output)
             if self._state is _AHEAD:
                 self.decide_ahead()
         sample = local.sample
         if sample is None:
             return
         if self._root_layer is not None:
-            self.capture(self._root_layer, module, output)
+            self._record(self._root_layer, module, output)
         if local.depth:
             return
         local.sample = None
         self._end_sample(sample)
 
     def capture(self, layer: int, module: nn.Module, output: Any) -> None:
-        """One call of a selected module during a sampled forward of this thread."""
+        """One call of a selected module: checked by the sentinel when it is on, recorded when
+        this thread's root forward is sampled."""
+        sentinel = self._sentinel
+        if sentinel is None:
+            self._record(layer, module, output)
+            return
+        if in_backward():  # a recomputation (activation checkpointing), not a forward
+            return
+        try:
+            sentinel.check(layer, output)
+        except Exception as error:
+            self._errors.handle(SENTINEL_STAGE, error)
+        if self._local.sample is not None:
+            self._record(layer, module, output)
+
+    def _record(self, layer: int, module: nn.Module, output: Any) -> None:
         sample = self._local.sample
         if sample is None or in_backward():
             return
@@ -355,6 +392,19 @@ class Gate(CompiledGate):
             sample.record(layer, module, output)
         except Exception as error:
             self._errors.handle(_OUTPUT_CAPTURE, error)
+
+    def _sentinel_end(self, module: nn.Module, output: Any) -> None:
+        """The outermost root forward of this thread ended: the sentinel checks the root's
+        own output (when selected) and reads the forward's flags."""
+        sentinel = self._sentinel
+        if sentinel is None or self._state is _CLOSED or in_backward():
+            return
+        try:
+            if self._root_layer is not None:
+                sentinel.check(self._root_layer, output)
+            sentinel.end()
+        except Exception as error:
+            self._errors.handle(SENTINEL_STAGE, error)
 
 
 __all__ = ["Gate", "GateState", "SampleOwner"]

@@ -7,7 +7,7 @@ import threading
 import pyarrow as pa
 
 from ti_core.sink import Barrier, RunInfo, SinkCapabilities
-from ti_schema import histogram_schema, history_schema
+from ti_schema import events_schema, histogram_schema, history_schema
 
 
 class MemorySink:
@@ -21,6 +21,7 @@ class MemorySink:
     def __init__(self) -> None:
         self._history: list[pa.RecordBatch] = []
         self._histograms: list[pa.RecordBatch] = []
+        self._events: list[pa.RecordBatch] = []
         self._lock = threading.Lock()
         self.runs: list[RunInfo] = []
         """Every RunInfo this sink was opened with, in order."""
@@ -50,14 +51,32 @@ class MemorySink:
         with self._lock:
             self._histograms.append(batch)
 
+    def write_events(self, batch: pa.RecordBatch) -> None:
+        """Keep one ``ti.events`` batch (declared in :meth:`capabilities`)."""
+        with self._lock:
+            self._events.append(batch)
+
+    def events(self) -> pa.Table:
+        """Every ``ti.events`` row received so far (an empty table with the schema if none)."""
+        with self._lock:
+            batches = list(self._events)
+        if not batches:
+            return events_schema(self._producer()).empty_table()
+        return pa.Table.from_batches(batches)
+
     def close(self) -> None:
         with self._lock:
             self.close_count += 1
 
     def capabilities(self) -> SinkCapabilities:
         """Writes may come from the observer's emission worker (they append under a lock);
-        reads wait for the signals it has queued (``attach_barrier``)."""
-        return SinkCapabilities(background_writes=True, on_barrier=self.attach_barrier)
+        reads wait for the signals it has queued (``attach_barrier``); it keeps the run's
+        events (``write_events``)."""
+        return SinkCapabilities(
+            background_writes=True,
+            on_barrier=self.attach_barrier,
+            write_events=self.write_events,
+        )
 
     def attach_barrier(self, barrier: Barrier) -> None:
         """Called by an observer that writes from a background thread: reads first wait for

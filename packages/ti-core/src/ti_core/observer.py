@@ -2,8 +2,9 @@
 
 Lifecycle: built and attached by ``inject_observer`` (sinks already open), detached by
 ``remove_observer``, which closes, in this order, the gate (every hook and override removed),
-the parameter update windows still open (their unavailable rows emitted), the emitter (every
-queued signal written) and the sinks (each closed once). In between, the
+the flight recorder (its flag reads in flight acted on), the parameter update windows still
+open (their unavailable rows emitted), the emitter (every queued signal written) and the sinks
+(each closed once). In between, the
 gate (:mod:`ti_core.gate`) decides which root forwards are sampled and calls back here to start
 samples; capture hands each ended signal (a sample's outputs, the gradients one backward
 delivered to it, ...: :class:`~ti_core.capture.ended.EndedSignal`) to :meth:`Observer.emit`,
@@ -33,8 +34,9 @@ from ti_core.gate import Gate, GateState
 from ti_core.records import RunColumns
 from ti_core.reduction.plan import ReductionPlan
 from ti_core.sampling import Sampler
+from ti_core.sentinel import DenseSampler, FlightRecorder, Sentinel
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
-from ti_schema import DEFAULT_SIGNALS, PARAMETER_SIGNALS
+from ti_schema import DEFAULT_SIGNALS, PARAMETER_SIGNALS, events_schema
 
 
 class Observer:
@@ -57,6 +59,7 @@ class Observer:
         background: bool = False,
         signals: Collection[str] = DEFAULT_SIGNALS,
         update_budget_bytes: int = DEFAULT_UPDATE_BUDGET_BYTES,
+        sentinel: Sentinel | None = None,
     ) -> None:
         self.run = run
         self.signals = frozenset(signals)
@@ -88,17 +91,32 @@ class Observer:
             self.parameters = ParameterCapture(
                 modules, tuple(self.signals), target, update_budget_bytes
             )
+        dense = DenseSampler(sampler)
+        self.recorder = FlightRecorder(
+            sentinel,
+            dense,
+            layer_names=columns.layer_names,
+            module_types=columns.module_types,
+            run_id=run.run_id,
+            rank=run.rank,
+            schema=events_schema(run.producer),
+            write=self.sinks.write_events,
+            errors=errors,
+        )
+        """The flight recorder: the sentinel's state, the run's events, dense captures."""
         self.gate = Gate(
             modules=modules,
             root_layer=next((i for i, m in enumerate(modules) if m is root), None),
-            sampler=sampler,
+            sampler=dense,
             errors=errors,
             capture_direct_forwards=capture_direct_forwards,
             owner=self,
             parameters=self.parameters,
             call_overrides=not any(isinstance(m, nn.DataParallel) for m in root.modules()),
+            sentinel=self.recorder if sentinel is not None else None,
         )
         """Sampling decisions and every hook of this observer."""
+        self.recorder.bind_latest(self.gate.current_index)
 
     # Copies of a model (deepcopy, pickle, torch.save) carry no observer: this becomes None.
     def __reduce__(self) -> tuple[type[None], tuple[()]]:
@@ -150,6 +168,7 @@ class Observer:
         """Remove every hook and override, write what is queued, close every sink once;
         return the close failures (for the caller to report once the model is clean)."""
         self.gate.close()
+        self.recorder.close()
         self._leaf_hooks.close()
         if self.parameters is not None:
             for ended in self.parameters.flush():

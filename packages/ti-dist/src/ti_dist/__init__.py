@@ -2,8 +2,8 @@
 
 ``rank_policy="rank0"`` (the default of ``ti_core.inject_observer``) and ``rank_policy="all"``
 resolve to :class:`Rank0Only` and :class:`AllRanks` through the ``ti.rank_policies`` entry points.
-The readers (``scan_ranks``, ``compare_ranks``, ``combine_shards``, ...) import Polars on first
-use, so resolving a policy on a training rank does not.
+The readers (``scan_ranks``, ``compare_ranks``, ``combine_shards``, ``events_across_ranks``,
+``first_event``, ...) import Polars on first use, so resolving a policy on a training rank does not.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from ti_dist.policies import AllRanks, Rank0Only, Ranks, rank_subdir
 
 if TYPE_CHECKING:
     from ti_dist.compare import compare_ranks
+    from ti_dist.events import events_across_ranks, first_event
     from ti_dist.reading import (
         HistorySource,
         collect_streaming,
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "combine_shards": "ti_dist.shards",
     "compare_ranks": "ti_dist.compare",
+    "events_across_ranks": "ti_dist.events",
+    "first_event": "ti_dist.events",
     "HistorySource": "ti_dist.reading",
     "collect_streaming": "ti_dist.reading",
     "find_history_sources": "ti_dist.reading",
@@ -44,7 +47,9 @@ __all__ = [
     "combine_shards",
     "compare_ranks",
     "detect_rank",
+    "events_across_ranks",
     "find_history_sources",
+    "first_event",
     "rank_subdir",
     "scan_ranks",
 ]

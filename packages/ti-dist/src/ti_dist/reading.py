@@ -17,6 +17,7 @@ from typing import Any, Final, cast
 
 import polars as pl
 
+from ti_io.integrity import verify_files
 from ti_io.read.frames import plain_strings
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_parts, list_rank_dirs
 
@@ -68,7 +69,9 @@ def find_history_sources(output_dir: str | os.PathLike[str]) -> list[HistorySour
 
 def _scan(source: HistorySource) -> pl.LazyFrame:
     # Plain strings, so that frames of different writers concatenate and compare alike. Every
-    # ti.history file has the cast columns, so building the scan reads nothing.
+    # ti.history file has the cast columns. Polars does not check Parquet page checksums:
+    # each file is verified first (ti_io.integrity), once per process while unchanged.
+    verify_files(source.files)
     return plain_strings(pl.scan_parquet([str(p) for p in source.files]))
 
 
@@ -80,10 +83,12 @@ def scan_ranks(output_dir: str | os.PathLike[str]) -> pl.LazyFrame:
     order); a plain single-directory run works too. Each row keeps the ``rank`` its writer
     recorded; nothing is combined across ranks.
 
-    Lazy: only the directories are listed here; no file is opened until the query is collected
-    (a job of 256 ranks builds its query in well under a second), and Polars then reads only
-    the columns and row groups the query needs. Raises ``FileNotFoundError`` naming
-    ``output_dir`` when no history is found.
+    Every file is verified first (its Parquet page checksums, a row group at a time; Polars
+    does not check them): a damaged file raises ``ti_io.DamagedFileError`` naming it, never
+    wrong numbers. A file this process verified before, unchanged, is not read again. The
+    query itself is lazy: Polars reads only the columns and row groups it needs. Raises
+    ``FileNotFoundError`` naming ``output_dir`` when no history is found,
+    ``ti_io.DamagedFileError`` for a damaged file.
     """
     sources = find_history_sources(output_dir)
     if not sources:

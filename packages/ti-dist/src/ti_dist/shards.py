@@ -11,7 +11,11 @@ rule once, for every metric that declares it. With ``n_r`` the finite entries of
 - ``pooled_std`` (``std``): ``sqrt(sum_r n_r (std_r**2 + (mean_r - mean)**2) / N)``, around
   the metric it is pooled with (population std);
 - ``min`` / ``max``: the smallest / largest of the shards';
-- ``entry_mean`` (``zero_fraction``, ``nonfinite_fraction``): weighted by ``prod(shape_r)``.
+- ``entry_mean`` (``zero_fraction``, ``nonfinite_fraction``, the precision fractions):
+  the shards' counts (``round(prod(shape_r) * fraction_r)``) added, over the whole tensor's
+  element count: exact;
+- a ``min`` metric that may be null on a shard with finite entries (``min_abs_nonzero``,
+  ``MetricSpec.null_reason``) is the smallest of the shards that have one.
 
 A metric that declares no rule (the quartiles: order statistics of the whole tensor, which the
 shards' quartiles do not determine) is null with the declared reason, as are custom metrics
@@ -29,7 +33,7 @@ import polars as pl
 from ti_dist.compare import AlignOn
 from ti_dist.reading import scan_ranks
 from ti_io.read.frames import PathOrFrame, history_frame
-from ti_schema import DEFAULT_PROFILE, MetricProfile, MetricSpec
+from ti_schema import DEFAULT_PROFILE, MetricProfile, MetricSpec, profile_of
 
 KEY: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path")
 """One sharded tensor; rows also line up on ``sample_id`` (or ``forward_index``)."""
@@ -68,14 +72,15 @@ def combine_shards(
     source: PathOrFrame,
     *,
     align_on: AlignOn = "sample_id",
-    profile: MetricProfile = DEFAULT_PROFILE,
+    profile: MetricProfile | None = None,
 ) -> pl.DataFrame:
     """Whole-tensor rows of every sharded tensor (``tensor_path`` ending in ``@S(d)``).
 
     ``source``: a run's ``output_dir`` (read with :func:`~ti_dist.scan_ranks`) or a frame of
     ``ti.history`` rows of every rank (``rank_policy="all"``). One output row per layer, call,
     signal, tensor path, ``align_on`` value and metric of ``profile`` (the declaration whose
-    combination rules apply; the default profile unless a test extends it): ``parameter``
+    combination rules apply; default: the default profile and the declared precision metrics
+    the source holds, ``ti_schema.profile_of``; a test may pass an extended one): ``parameter``
     (the name without the placement), ``shape`` (the whole tensor's: the shards' sizes along
     the sharded dim summed), ``n_ranks``, ``ranks``, ``value`` and ``unavailable_reason`` (null
     exactly when
@@ -86,6 +91,9 @@ def combine_shards(
     if align_on not in ("sample_id", "forward_index"):
         raise ValueError(f"align_on must be 'sample_id' or 'forward_index', got {align_on!r}")
     frame = history_frame(source, scan_ranks)
+    if profile is None:
+        present = frame.select(pl.col("metric").cast(pl.String).unique()).collect()
+        profile = profile_of(present["metric"].to_list())
     combined = _combined(profile)
     all_ranks = frame.select(pl.col("rank").unique().sort()).collect()["rank"].to_list()
     key = [*KEY, align_on]
@@ -204,7 +212,9 @@ def _needed(profile: MetricProfile, shard: dict[str, Any]) -> list[str]:
     """The metrics a shard with entries must have for the rules."""
     has_finite = shard[FINITE_WEIGHT] is not None and shard[FINITE_WEIGHT] < 1
     return [
-        m.name for m in profile if m.combine is not None and (m.over == "all" or has_finite)
+        m.name
+        for m in profile
+        if m.combine is not None and not m.null_reason and (m.over == "all" or has_finite)
     ] + [FINITE_WEIGHT]
 
 
@@ -231,9 +241,9 @@ def _apply_rules(
         name = m.name
         if m.combine == "entry_mean":
             if entries:
-                values[name] = (
-                    sum(n * s[name] for n, s in zip(numels, shards, strict=True) if n) / entries
-                )
+                # each shard's fraction is a count over its entries: add the counts
+                counts = (round(n * s[name]) for n, s in zip(numels, shards, strict=True) if n)
+                values[name] = sum(counts) / entries
             else:
                 reasons[name] = EMPTY_REASON
         elif total <= 0:
@@ -245,10 +255,13 @@ def _apply_rules(
             assert center is not None  # combined before, from the same shards
             spread = sum(n * (s[name] * s[name] + (s[mean] - center) ** 2) for n, s in finite)
             values[name] = math.sqrt(spread / total)
-        elif m.combine == "min":
-            values[name] = min(s[name] for _, s in finite)
-        elif m.combine == "max":
-            values[name] = max(s[name] for _, s in finite)
+        elif m.combine in ("min", "max"):
+            # a metric with a null_reason may be null on a shard that has finite entries
+            present = [s[name] for _, s in finite if s[name] is not None]
+            if present:
+                values[name] = min(present) if m.combine == "min" else max(present)
+            else:
+                reasons[name] = m.null_reason or NO_FINITE_REASON
 
 
 __all__ = ["QUARTILE_REASON", "SHARD_PATH", "combine_shards"]

@@ -12,6 +12,8 @@ from ti_examples.evidence import comparison_frame, evidence_table, onset_sample
 from ti_examples.plotting import plot_comparison
 from ti_examples.problems import PROBLEMS, VARIANTS, Problem, Variant
 from ti_examples.training import ExperimentConfig, run_variant
+from ti_io import read_events
+from ti_io.read.events import describe_event
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class ProblemResult:
     plot: Path
     csv: Path
     losses: dict[Variant, list[float]]
+    events: tuple[str, ...] = ()
+    """The broken run's flight-recorder events, one line each (problems with the sentinel)."""
 
 
 def run_dirs(output_dir: Path, problem: Problem) -> dict[Variant, Path]:
@@ -78,7 +82,15 @@ def run_problem(
         plot=plot,
         csv=csv_path,
         losses=losses,
+        events=_broken_events(problem, directories["broken"]),
     )
+
+
+def _broken_events(problem: Problem, run_dir: Path) -> tuple[str, ...]:
+    """The sentinel's events of the broken run, described (none without the sentinel)."""
+    if not problem.sentinel:
+        return ()
+    return tuple(describe_event(event) for event in read_events(run_dir).to_pylist())
 
 
 def select_problems(names: Iterable[str] | None = None) -> list[Problem]:
@@ -105,11 +117,13 @@ def describe(result: ProblemResult) -> str:
         fmt_str_lengths=40,
     ):
         table = str(result.table)
+    recorder = "".join(f"sentinel: {line}\n" for line in result.events)
     return (
         f"\n== {p.name} (fault from step {result.onset_step} = sample {result.onset_sample})\n"
         f"fault:    {p.fault}\n"
         f"evidence: {p.evidence}\n"
         f"fix:      {p.fix}\n"
+        f"{recorder}"
         f"{table}\n"
         f"plot: {result.plot}\ncsv:  {result.csv}"
     )

@@ -68,6 +68,9 @@ class Problem(ABC):
     lr: ClassVar[float] = 0.05
     signals: ClassVar[tuple[Signal, ...]] = DEFAULT_SIGNALS
     """What the observer records (``inject_observer(signals=)``): the panels' signals."""
+    sentinel: ClassVar[bool] = False
+    """Whether the broken run carries the flight recorder's sentinel (``inject_observer(
+    sentinel=True)``): its event names the module and forward where the fault began."""
 
     @abstractmethod
     def build_model(self, variant: Variant) -> nn.Module:
@@ -195,6 +198,7 @@ class Nonfinite(Problem):
         Panel("standardize", "output", "nonfinite_fraction"),
         Panel("fc2", "output", "nonfinite_fraction"),
     )
+    sentinel = True
 
     def build_model(self, variant: Variant) -> nn.Module:
         return StandardizedMLP(IN_FEATURES, HIDDEN, eps=1e-5 if variant == "fixed" else 0.0)

@@ -99,6 +99,7 @@ def run_variant(
         output_dir=output_dir,
         sampler=EveryNForwardsSampler(config.sample_every),
         signals=problem.signals,
+        sentinel=problem.sentinel and variant == "broken",
     )
     try:
         return train(problem, variant, model, config)

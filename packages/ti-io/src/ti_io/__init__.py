@@ -2,9 +2,11 @@
 
 ``DirectorySink`` writes live Parquet parts, ``history.parquet``, ``histograms.parquet``,
 ``result.json``, ``index.md`` and TensorBoard events; ``TensorBoardSink`` adds the histograms
-to a caller-owned TensorBoard writer; ``scan_history`` and ``consolidate`` read and finish runs;
+to a caller-owned TensorBoard writer; ``scan_history``, ``read_events`` / ``scan_events`` (the
+flight recorder's ``ti.events``) and ``consolidate`` read and finish runs;
 ``compare_runs`` / ``compare_series`` line matched runs up by sample id; ``upgrade`` converts a
-run written by torchinstruments 0.8.0.
+run written by torchinstruments 0.8.0; ``validate_run`` finds damaged files (every Parquet file
+carries page checksums, which every read verifies: :mod:`ti_io.integrity`).
 ``inject_observer(model, output_dir=...)`` finds ``DirectorySink`` through the ``ti.sinks``
 entry point, so ti-core never imports this package.
 
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from ti_io.config import HistoryConfig
     from ti_io.errors import (
         ArtifactWriteError,
+        DamagedPartsError,
         FinalizationBusyError,
         FinalizationError,
         NothingToConsolidateError,
@@ -30,8 +33,11 @@ if TYPE_CHECKING:
     )
     from ti_io.finish.consolidate import Consolidated, consolidate
     from ti_io.finish.upgrade import Upgraded, UpgradedRun, UpgradeError, upgrade
+    from ti_io.finish.validation import RunValidation, validate_run
+    from ti_io.integrity import DamagedFileError
     from ti_io.progress import ProgressCallback
     from ti_io.read.compare import ComparedRun, compare_runs, compare_series, open_runs, unshared
+    from ti_io.read.events import read_events, scan_events
     from ti_io.read.history import scan_history
     from ti_io.read.legacy_layout import LegacyRunError, legacy_reason
     from ti_io.write.directory_sink import DirectorySink
@@ -42,6 +48,8 @@ _LAZY: dict[str, str] = {
     "ArtifactWriteError": "ti_io.errors",
     "ComparedRun": "ti_io.read.compare",
     "Consolidated": "ti_io.finish.consolidate",
+    "DamagedFileError": "ti_io.integrity",
+    "DamagedPartsError": "ti_io.errors",
     "DirectorySink": "ti_io.write.directory_sink",
     "FinalizationBusyError": "ti_io.errors",
     "FinalizationError": "ti_io.errors",
@@ -49,6 +57,7 @@ _LAZY: dict[str, str] = {
     "LegacyRunError": "ti_io.read.legacy_layout",
     "NothingToConsolidateError": "ti_io.errors",
     "ProgressCallback": "ti_io.progress",
+    "RunValidation": "ti_io.finish.validation",
     "ShrinkRefusedError": "ti_io.errors",
     "TensorBoardSink": "ti_io.write.tensorboard_sink",
     "UpgradeError": "ti_io.finish.upgrade",
@@ -60,9 +69,12 @@ _LAZY: dict[str, str] = {
     "histogram_tag": "ti_io.write.tags",
     "legacy_reason": "ti_io.read.legacy_layout",
     "open_runs": "ti_io.read.compare",
+    "read_events": "ti_io.read.events",
+    "scan_events": "ti_io.read.events",
     "scan_history": "ti_io.read.history",
     "unshared": "ti_io.read.compare",
     "upgrade": "ti_io.finish.upgrade",
+    "validate_run": "ti_io.finish.validation",
 }
 """Where each public name lives; :func:`__getattr__` imports the module on first use."""
 
@@ -70,6 +82,8 @@ __all__ = [
     "ArtifactWriteError",
     "ComparedRun",
     "Consolidated",
+    "DamagedFileError",
+    "DamagedPartsError",
     "DirectorySink",
     "FinalizationBusyError",
     "FinalizationError",
@@ -77,6 +91,7 @@ __all__ = [
     "LegacyRunError",
     "NothingToConsolidateError",
     "ProgressCallback",
+    "RunValidation",
     "ShrinkRefusedError",
     "TensorBoardSink",
     "UpgradeError",
@@ -88,9 +103,12 @@ __all__ = [
     "histogram_tag",
     "legacy_reason",
     "open_runs",
+    "read_events",
+    "scan_events",
     "scan_history",
     "unshared",
     "upgrade",
+    "validate_run",
 ]
 
 

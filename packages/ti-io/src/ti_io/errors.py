@@ -52,5 +52,11 @@ class ShrinkRefusedError(FinalizationError):
     that a final file does not hold: a finished history is never replaced by a smaller one."""
 
 
+class DamagedPartsError(FinalizationError):
+    """A part of the run is damaged (truncated, its footer or a page checksum fails): the
+    finalization changed nothing. ``command`` is ``ti consolidate --skip-damaged DIR``, which
+    moves the damaged parts into ``damaged/`` and consolidates the rest."""
+
+
 class FinalizationBusyError(RuntimeError):
     """Another process is finalizing the same run directory right now."""

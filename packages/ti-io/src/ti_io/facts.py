@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from ti_io.damaged import SkippedPart, read_skipped
 from ti_io.publishing import publish_text
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, RESULT_FILE, RUN_FILE
 from ti_schema.sink import RunInfo
@@ -58,6 +59,9 @@ class RunFacts:
     settings: Mapping[str, str] = field(default_factory=dict)
     pid: int | None = None
     host: str | None = None
+    skipped: tuple[SkippedPart, ...] = ()
+    """Damaged parts a consolidation left out (``damaged/skipped.json``): the history has a
+    gap where they were."""
 
     @classmethod
     def from_run(cls, run: RunInfo, window: int) -> RunFacts:
@@ -157,7 +161,8 @@ def footer_window(directory: Path) -> int | None:
 def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
     """Facts of the run in ``directory`` from run.json and result.json (best effort: missing or
     malformed files give unknown facts; a failing read raises); once the run is finalized
-    (run.json retired), its window from the footer of history.parquet."""
+    (run.json retired), its window from the footer of history.parquet; the damaged parts a
+    consolidation skipped, from ``damaged/skipped.json``."""
     try:
         doc = json.loads((directory / HISTORY_PARTS / RUN_FILE).read_text(encoding="utf-8"))
         if not isinstance(doc, dict):
@@ -182,6 +187,7 @@ def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
         else {},
         pid=_opt_int(doc, "pid"),
         host=_opt_str(doc, "host"),
+        skipped=read_skipped(directory),
     )
     return replace(facts, window=window) if window is not None else facts
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Final
 
 from ti_schema.layout import (
+    EVENT_PARTS,
     HISTOGRAM_PARTS,
     HISTORY_PARTS,
     PART_PATTERN,
@@ -134,6 +135,7 @@ def remove_run_artifacts(directory: Path) -> None:
     for name, owned in (
         (HISTORY_PARTS, (PART_PATTERN, TEMP, re.compile(re.escape(RUN_FILE)))),
         (HISTOGRAM_PARTS, (PART_PATTERN, TEMP)),
+        (EVENT_PARTS, (PART_PATTERN, TEMP)),
         (TENSORBOARD_DIR, (EVENTS,)),
     ):
         sub = directory / name
@@ -169,7 +171,13 @@ def remove_stale_temporaries(directory: Path) -> int:
     running, or its temporary in flight would go.
     """
     removed = 0
-    for folder in (directory, directory / HISTORY_PARTS, directory / HISTOGRAM_PARTS):
+    for folder in (
+        directory,
+        directory / HISTORY_PARTS,
+        directory / HISTOGRAM_PARTS,
+        directory / EVENT_PARTS,
+        directory / "damaged",  # ti_io.damaged.DAMAGED_DIR: the record of skipped parts
+    ):
         if not folder.is_dir():
             continue
         for child in list(folder.iterdir()):

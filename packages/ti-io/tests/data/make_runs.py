@@ -9,7 +9,8 @@ written by ti-io's DirectorySink.
 
 - ``finalized/``: a tiny model trained for a few steps, observer removed (finalized run), with
   every signal of the contract (outputs, their gradients, the parameters, their gradients and
-  their updates).
+  their updates), the flight recorder's sentinel on and one manual event (``trigger_capture``
+  after the second step), so ``events.parquet`` and its parts hold a row.
 - ``live/``: the same run copied while it was live, after ``DirectorySink.flush()``: parts,
   ``run.json``, the catalog result.json, the live index.md and TensorBoard events; what a
   ``kill -9`` at that moment leaves. Consolidating it must give the finalized run.
@@ -36,7 +37,13 @@ from typing import Final
 import torch
 from torch import nn
 
-from ti_core import AlwaysSampler, RankSelection, inject_observer, remove_observer
+from ti_core import (
+    AlwaysSampler,
+    RankSelection,
+    inject_observer,
+    remove_observer,
+    trigger_capture,
+)
 from ti_io import DirectorySink, HistoryConfig
 from ti_schema import DEFAULT_SIGNALS, SIGNALS
 from ti_schema.layout import HISTORY_PARTS, RUN_FILE, rank_dir_name
@@ -65,15 +72,19 @@ def _model() -> nn.Sequential:
     return nn.Sequential(OrderedDict(encoder=nn.Linear(5, 8), act=nn.ReLU(), head=nn.Linear(8, 3)))
 
 
-def _train(model: nn.Module, seed: int, after_step: Callable[[], None]) -> None:
+def _train(
+    model: nn.Module, seed: int, after_step: Callable[[], None], *, event: bool = False
+) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(seed)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         optimizer.zero_grad()
         x = torch.randn(6, 5, generator=g)
         loss = (model(x) - x[:, :3]).pow(2).mean()
         loss.backward()
         optimizer.step()
+        if event and step == 1:
+            trigger_capture(model, forwards=2, reason="committed test data")
         after_step()
 
 
@@ -84,6 +95,7 @@ def _observed_run(
     seed: int,
     rank_policy: object = "rank0",
     signals: tuple[str, ...] = DEFAULT_SIGNALS,
+    sentinel: bool = False,
 ) -> None:
     """Train one observed run in ``output_dir``; copy it to ``live_copy`` before removal."""
     model = _model()
@@ -93,10 +105,15 @@ def _observed_run(
         output_dir, history_config=HistoryConfig(window=WINDOW, flush_seconds=None)
     )
     inject_observer(
-        model, sink=sink, sampler=AlwaysSampler(), rank_policy=rank_policy, signals=signals
+        model,
+        sink=sink,
+        sampler=AlwaysSampler(),
+        rank_policy=rank_policy,
+        signals=signals,
+        sentinel=sentinel,
     )
     try:
-        _train(model, seed, sink.flush)
+        _train(model, seed, sink.flush, event=sentinel)
         if live_copy is not None:
             sink.flush()  # every row published: the state a kill -9 now would leave
             shutil.copytree(sink.directory, live_copy)
@@ -115,7 +132,9 @@ def _anonymize_host(run: Path) -> None:
 def write_runs(destination: Path) -> None:
     """Write ``finalized/``, ``live/`` and ``ranks/`` into ``destination`` (must not exist)."""
     destination.mkdir(parents=True)
-    _observed_run(destination / "finalized", destination / "live", seed=1, signals=SIGNALS)
+    _observed_run(
+        destination / "finalized", destination / "live", seed=1, signals=SIGNALS, sentinel=True
+    )
     ranks = destination / "ranks"
     _observed_run(ranks, None, seed=2, rank_policy=FixedRank(0, 2))
     with tempfile.TemporaryDirectory() as scratch:

@@ -16,6 +16,7 @@ from ti_schema.compat import (
     parse_version,
 )
 from ti_schema.errors import MISMATCH_KINDS, Mismatch, MismatchKind, SchemaMismatchError
+from ti_schema.events import EVENT_COLUMNS, EVENT_KINDS, EventKind, empty_events, events_schema
 from ti_schema.interop import footer_metadata, large_types, polars_write_options
 from ti_schema.metrics import (
     COMBINE_RULES,
@@ -38,10 +39,21 @@ from ti_schema.names import (
     Mode,
     Signal,
 )
+from ti_schema.precision import (
+    FULL_PRECISION_PROFILE,
+    PRECISION_FORMATS,
+    PRECISION_METRICS,
+    PrecisionFormat,
+    declared_metric,
+    metric_name_problem,
+    precision_profile,
+    profile_of,
+)
 from ti_schema.ranks import RankPolicy, RankSelection
 from ti_schema.result_json import RESULT_JSON_SCHEMA, validate_result_json
 from ti_schema.schemas import (
     DICTIONARY_COLUMNS,
+    EVENTS,
     HISTOGRAMS,
     HISTORY,
     IDENTITY_COLUMNS,
@@ -64,7 +76,12 @@ from ti_schema.sink import (
     SinkCapabilities,
     sink_capabilities,
 )
-from ti_schema.validate import type_matches, validate_histograms, validate_history
+from ti_schema.validate import (
+    type_matches,
+    validate_events,
+    validate_histograms,
+    validate_history,
+)
 from ti_schema.version import SCHEMA_VERSION
 
 __all__ = [
@@ -73,8 +90,12 @@ __all__ = [
     "DEFAULT_PROFILE",
     "DEFAULT_SIGNALS",
     "DICTIONARY_COLUMNS",
+    "EVENTS",
+    "EVENT_COLUMNS",
+    "EVENT_KINDS",
     "FINITE_METRICS",
     "FRACTION_METRICS",
+    "FULL_PRECISION_PROFILE",
     "HISTOGRAMS",
     "HISTORY",
     "IDENTITY_COLUMNS",
@@ -86,6 +107,8 @@ __all__ = [
     "OPTIONAL_KEYS",
     "PARAMETER_SIGNALS",
     "PLACEHOLDERS",
+    "PRECISION_FORMATS",
+    "PRECISION_METRICS",
     "RESULT_JSON_SCHEMA",
     "SCHEMA_NAMES",
     "SCHEMA_VERSION",
@@ -97,12 +120,14 @@ __all__ = [
     "Barrier",
     "Combine",
     "DeclaresCapabilities",
+    "EventKind",
     "LayerInfo",
     "MetricProfile",
     "MetricSpec",
     "Mismatch",
     "MismatchKind",
     "Mode",
+    "PrecisionFormat",
     "RankPolicy",
     "RankSelection",
     "RunInfo",
@@ -114,16 +139,23 @@ __all__ = [
     "Sink",
     "SinkCapabilities",
     "check_compatible",
+    "declared_metric",
+    "empty_events",
+    "events_schema",
     "footer_metadata",
     "histogram_schema",
     "history_schema",
     "large_types",
+    "metric_name_problem",
     "parse_metadata",
     "parse_version",
     "polars_write_options",
+    "precision_profile",
+    "profile_of",
     "schema_metadata",
     "sink_capabilities",
     "type_matches",
+    "validate_events",
     "validate_histograms",
     "validate_history",
     "validate_result_json",

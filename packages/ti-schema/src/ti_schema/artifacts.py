@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 
 from ti_schema.errors import SchemaMismatchError
 from ti_schema.layout import (
+    EVENT_PARTS,
+    EVENTS_FILE,
     HISTOGRAM_PARTS,
     HISTOGRAMS_FILE,
     HISTORY_FILE,
@@ -33,7 +35,7 @@ from ti_schema.layout import (
     rank_dir_name,
 )
 from ti_schema.result_json import load_strict_json, result_json_problems
-from ti_schema.validate import validate_histograms, validate_history
+from ti_schema.validate import validate_events, validate_histograms, validate_history
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,11 @@ def _check_run_dir(
         _check_parquet(histograms, validate_histograms, rank, problems)
     for part in list_parts(directory / HISTOGRAM_PARTS):
         _check_parquet(part, validate_histograms, rank, problems)
+    events = directory / EVENTS_FILE
+    if events.is_file():
+        _check_parquet(events, validate_events, rank, problems)
+    for part in list_parts(directory / EVENT_PARTS):
+        _check_parquet(part, validate_events, rank, problems)
     result = directory / RESULT_FILE
     if not result.is_file():
         problems.append(ArtifactProblem(result, "missing"))
@@ -128,8 +135,9 @@ def artifact_dir_problems(
 ) -> list[ArtifactProblem]:
     """Every way the run directory ``path`` breaks the contract; empty when it conforms.
 
-    A run holds history.parquet, result.json and index.md; histograms.parquet and the parts in
-    ``history.parts/`` and ``histograms.parts/`` are checked when present. A directory of
+    A run holds history.parquet, result.json and index.md; histograms.parquet, events.parquet
+    and the parts in ``history.parts/``,
+    ``histograms.parts/`` and ``events.parts/`` are checked when present. A directory of
     rank-private runs (``rank-000/``, ``rank-001/``, ...) is checked rank by rank, and each
     rank's rows must carry its own ``rank``. ``allow_live``: a run that has ``history.parts/``
     but no history.parquet yet (live, or interrupted before ``ti consolidate``) conforms when

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from ti_schema.errors import Mismatch, SchemaMismatchError
 from ti_schema.schemas import (
+    EVENTS,
     HISTOGRAMS,
     HISTORY,
     METADATA_KEY,
@@ -27,8 +28,9 @@ from ti_schema.schemas import (
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_VERSION
 
 KNOWN_VERSIONS: Final[dict[SchemaName, tuple[str, ...]]] = {
-    HISTORY: ("1.0", "1.1", SCHEMA_VERSION),
-    HISTOGRAMS: ("1.0", "1.1", SCHEMA_VERSION),
+    HISTORY: ("1.0", "1.1", "1.2", SCHEMA_VERSION),
+    HISTOGRAMS: ("1.0", "1.1", "1.2", SCHEMA_VERSION),
+    EVENTS: (SCHEMA_VERSION,),
 }
 """Every contract version this reader was written against, per schema name."""
 

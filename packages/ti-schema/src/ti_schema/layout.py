@@ -4,10 +4,11 @@ The one definition every writer and reader uses: ti-io writes and reads it, ti-d
 across ranks, ``ti validate`` and the conformance kit check it. How files are written
 (temporaries, fsync, atomic renames, removal) belongs to ti-io. A run directory::
 
-    history.parquet        histograms.parquet      result.json      index.md
+    history.parquet        histograms.parquet      events.parquet   result.json      index.md
     tensorboard/           event files
     history.parts/         part-000000.parquet, part-000001.parquet, ..., run.json (live runs)
     histograms.parts/      part-000000.parquet, ...                              (live runs)
+    events.parts/          part-000000.parquet, ... one per event                (live runs)
     finalization.json      the finalization journal (only while a finalization is unfinished)
 
 When every rank writes, ``output_dir/rank-000/``, ``output_dir/rank-001/``, ... each hold one.
@@ -24,10 +25,13 @@ from typing import Final
 
 HISTORY_FILE: Final[str] = "history.parquet"
 HISTOGRAMS_FILE: Final[str] = "histograms.parquet"
+EVENTS_FILE: Final[str] = "events.parquet"
 RESULT_FILE: Final[str] = "result.json"
 INDEX_FILE: Final[str] = "index.md"
 HISTORY_PARTS: Final[str] = "history.parts"
 HISTOGRAM_PARTS: Final[str] = "histograms.parts"
+EVENT_PARTS: Final[str] = "events.parts"
+"""Live ``ti.events`` parts: one part per event, published at once (an event is urgent)."""
 TENSORBOARD_DIR: Final[str] = "tensorboard"
 RUN_FILE: Final[str] = "run.json"
 """Run facts kept inside ``history.parts/`` while the run is unconsolidated."""
@@ -39,11 +43,12 @@ over. Its states and format are ti-io's (``ti_io.finish.journal``, docs/artifact
 RUN_FILES: Final[tuple[str, ...]] = (
     HISTORY_FILE,
     HISTOGRAMS_FILE,
+    EVENTS_FILE,
     RESULT_FILE,
     INDEX_FILE,
     JOURNAL_FILE,
 )
-RUN_DIRS: Final[tuple[str, ...]] = (HISTORY_PARTS, HISTOGRAM_PARTS, TENSORBOARD_DIR)
+RUN_DIRS: Final[tuple[str, ...]] = (HISTORY_PARTS, HISTOGRAM_PARTS, EVENT_PARTS, TENSORBOARD_DIR)
 RUN_ENTRIES: Final[tuple[str, ...]] = RUN_FILES + RUN_DIRS
 """Every top-level entry a run owns; their presence marks a directory as holding a run."""
 

@@ -55,6 +55,10 @@ class MetricSpec:
     not_combinable: str = ""
     pooled_with: str = ""
     """For ``combine="pooled_std"``: the ``finite_mean`` metric it is pooled around."""
+    null_reason: str = ""
+    """Why a value may be null although the tensor has the entries ``over`` names (e.g.
+    ``min_abs_nonzero`` of a tensor whose finite entries are all zero); the producer writes it
+    as the ``unavailable_reason``, and a combination skips such shards (``min`` / ``max``)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):

@@ -1,8 +1,10 @@
 """result.json: its JSON Schema (draft 2020-12) and a dependency-free validator.
 
 result.json is a JSON array of layer records; each lists the measured tensors of the layer with
-per-metric aggregates of the per-sample values. Strict JSON: no NaN or Infinity, and every null
-aggregate carries an ``unavailable_reason``. Described in docs/data-contract.md.
+per-metric aggregates of the per-sample values and, from contract 1.3 and only when there are
+any, the ``events`` (``ti.events``) whose first flagged module it is. Strict JSON: no NaN or
+Infinity, and every null aggregate carries an ``unavailable_reason``. Described in
+docs/data-contract.md.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ti_schema.errors import Mismatch, SchemaMismatchError
+from ti_schema.events import EVENT_KINDS, EVENT_SIGNALS
 from ti_schema.names import MODES
 from ti_schema.signals import SIGNAL_DECLARATION, SignalDeclaration
 from ti_schema.version import SCHEMA_VERSION
@@ -22,6 +25,24 @@ from ti_schema.version import SCHEMA_VERSION
 RESULT_JSON: Final[str] = "result.json"
 
 LAYER_KEYS: Final[tuple[str, ...]] = ("layer", "type", "aliases", "tensors")
+OPTIONAL_LAYER_KEYS: Final[tuple[str, ...]] = ("events",)
+"""Keys a layer record may have (contract 1.3): ``events``, written only when non-empty."""
+EVENT_KEYS: Final[tuple[str, ...]] = (
+    "kind",
+    "forward_index",
+    "signal",
+    "layer",
+    "module_type",
+    "tensor_path",
+    "layers",
+    "rank",
+    "timestamp",
+    "reason",
+    "value",
+    "dense_first_forward",
+    "dense_forwards",
+)
+"""The keys of an event object (a ``ti.events`` row without its ids and ``tensor_paths``)."""
 TENSOR_KEYS: Final[tuple[str, ...]] = (
     "call_index",
     "signal",
@@ -47,6 +68,7 @@ AGGREGATE_KEYS: Final[tuple[str, ...]] = (
 STATISTIC_KEYS: Final[tuple[str, ...]] = (*COUNT_KEYS, *AGGREGATE_KEYS, "unavailable_reason")
 
 _COUNT: Final[dict[str, Any]] = {"type": "integer", "minimum": 0}
+_NULLABLE_STRING: Final[dict[str, Any]] = {"type": ["string", "null"]}
 
 
 def result_json_schema(signals: SignalDeclaration = SIGNAL_DECLARATION) -> dict[str, Any]:
@@ -75,6 +97,32 @@ def result_json_schema(signals: SignalDeclaration = SIGNAL_DECLARATION) -> dict[
                         "description": "other qualified names of the same module",
                     },
                     "tensors": {"type": "array", "items": {"$ref": "#/$defs/tensor"}},
+                    "events": {
+                        "type": "array",
+                        "items": {"$ref": "#/$defs/event"},
+                        "description": "events whose first flagged module this layer is "
+                        "(contract 1.3; present only when there are any)",
+                    },
+                },
+            },
+            "event": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": list(EVENT_KEYS),
+                "properties": {
+                    "kind": {"enum": list(EVENT_KINDS)},
+                    "forward_index": {"type": "integer", "minimum": -1},
+                    "signal": {"enum": [*EVENT_SIGNALS, None]},
+                    "layer": _NULLABLE_STRING,
+                    "module_type": _NULLABLE_STRING,
+                    "tensor_path": _NULLABLE_STRING,
+                    "layers": {"type": "array", "items": {"type": "string"}},
+                    "rank": _COUNT,
+                    "timestamp": {"type": "string", "description": "ISO 8601, UTC"},
+                    "reason": _NULLABLE_STRING,
+                    "value": {"type": ["number", "null"]},
+                    "dense_first_forward": {"type": "integer"},
+                    "dense_forwards": _COUNT,
                 },
             },
             "tensor": {
@@ -159,7 +207,9 @@ class _Walker:
         elif not isinstance(value, str | int | float | type(None)):
             self.add(path, f"holds a {type(value).__name__}, which is not a JSON value")
 
-    def obj(self, value: Any, path: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    def obj(
+        self, value: Any, path: str, keys: tuple[str, ...], optional: tuple[str, ...] = ()
+    ) -> dict[str, Any] | None:
         if not isinstance(value, dict):
             self.add(path, f"expected an object with {list(keys)}, got {_kind(value)}")
             return None
@@ -167,7 +217,7 @@ class _Walker:
             if key not in value:
                 self.add(_key_path(path, key), "is missing")
         for key in value:
-            if isinstance(key, str) and key not in keys:
+            if isinstance(key, str) and key not in keys and key not in optional:
                 self.add(_key_path(path, key), "is not part of result.json")
         return value
 
@@ -196,9 +246,13 @@ class _Walker:
             self.add(_key_path(path, key), f"is {parent[key]!r}; allowed: {list(allowed)!r}")
 
     def layer(self, value: Any, path: str) -> None:
-        record = self.obj(value, path, LAYER_KEYS)
+        record = self.obj(value, path, LAYER_KEYS, OPTIONAL_LAYER_KEYS)
         if record is None:
             return
+        if "events" in record:
+            events_path = _key_path(path, "events")
+            for i, event in enumerate(self.array(record["events"], events_path)):
+                self.event(event, f"{events_path}[{i}]")
         self.string(record, "layer", path)
         self.string(record, "type", path)
         if "aliases" in record:
@@ -210,6 +264,39 @@ class _Walker:
             tensors_path = _key_path(path, "tensors")
             for i, tensor in enumerate(self.array(record["tensors"], tensors_path)):
                 self.tensor(tensor, f"{tensors_path}[{i}]")
+
+    def integer(self, value: Any, path: str, minimum: int | None) -> None:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if not ok or (minimum is not None and value < minimum):
+            floor = f" >= {minimum}" if minimum is not None else ""
+            self.add(path, f"expected an integer{floor}, got {value!r}")
+
+    def event(self, value: Any, path: str) -> None:
+        record = self.obj(value, path, EVENT_KEYS)
+        if record is None:
+            return
+        self.enum(record, "kind", path, EVENT_KINDS)
+        if "signal" in record and record["signal"] is not None:
+            self.enum(record, "signal", path, EVENT_SIGNALS)
+        for key in ("layer", "module_type", "tensor_path", "reason"):
+            self.string(record, key, path, nullable=True)
+        self.string(record, "timestamp", path)
+        for key, minimum in (
+            ("forward_index", -1),
+            ("rank", 0),
+            ("dense_first_forward", None),
+            ("dense_forwards", 0),
+        ):
+            if key in record:
+                self.integer(record[key], _key_path(path, key), minimum)
+        if "layers" in record:
+            layers_path = _key_path(path, "layers")
+            for i, name in enumerate(self.array(record["layers"], layers_path)):
+                if not isinstance(name, str):
+                    self.add(f"{layers_path}[{i}]", f"expected a string, got {_kind(name)}")
+        item = record.get("value")
+        if item is not None and (not isinstance(item, int | float) or isinstance(item, bool)):
+            self.add(_key_path(path, "value"), f"expected a number or null, got {_kind(item)}")
 
     def tensor(self, value: Any, path: str) -> None:
         record = self.obj(value, path, TENSOR_KEYS)

@@ -20,11 +20,12 @@ METADATA_KEY: Final[bytes] = b"ti"
 """The single schema-metadata key; its value is JSON ``{schema, schema_version, producer}`` plus
 the optional run facts of schema 1.1 (``window``, ``upgraded_from``, ``unrecorded``)."""
 
-SchemaName = Literal["ti.history", "ti.histograms"]
+SchemaName = Literal["ti.history", "ti.histograms", "ti.events"]
 """The name of a contract schema, as the ``schema`` key of the ``ti`` metadata says it."""
 
 HISTORY: Final = "ti.history"
 HISTOGRAMS: Final = "ti.histograms"
+EVENTS: Final = "ti.events"
 SCHEMA_NAMES: Final[tuple[SchemaName, ...]] = get_args(SchemaName)
 
 

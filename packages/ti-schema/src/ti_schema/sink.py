@@ -79,6 +79,11 @@ class SinkCapabilities:
     of this sink's writes, so the flush must not wait on a lock that a write holds for long. A
     sink with nothing a process exit could lose (in memory only, or unbuffered) leaves it
     None."""
+    write_events: Callable[[pa.RecordBatch], None] | None = None
+    """Accept one batch of ``ti.events`` rows (``ti_schema.events_schema()``), called on the
+    thread that detected the event (the training thread, or the one that ran backward) as it
+    happens. Events are rare and urgent: a file sink publishes them at once. A sink that leaves
+    it None receives no events (the history rows of the dense capture still reach it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.background_writes, bool):
@@ -96,6 +101,11 @@ class SinkCapabilities:
                 "SinkCapabilities(flush=...) must be a callable taking no arguments "
                 f"(e.g. the sink's bound flush method) or None, got {self.flush!r}"
             )
+        if self.write_events is not None and not callable(self.write_events):
+            raise TypeError(
+                "SinkCapabilities(write_events=...) must be a callable taking a ti.events "
+                f"RecordBatch (e.g. the sink's bound method) or None, got {self.write_events!r}"
+            )
 
 
 @runtime_checkable
@@ -109,8 +119,9 @@ class Sink(Protocol):
     Optional capabilities are declared, not guessed: a sink that also defines
     ``capabilities(self) -> SinkCapabilities`` (the :class:`DeclaresCapabilities` protocol) may
     have its writes come from the observer's emission worker (``background_writes=True``),
-    receive a barrier to wait for queued signals (``on_barrier``) and be asked to publish what
-    it holds when the process is about to end (``flush``). A sink without the method gets
+    receive a barrier to wait for queued signals (``on_barrier``), be asked to publish what
+    it holds when the process is about to end (``flush``) and receive the run's ``ti.events``
+    rows (``write_events``). A sink without the method gets
     ``SinkCapabilities()``: training-thread writes, no barrier, no flush.
     """
 

@@ -21,9 +21,18 @@ import pyarrow.compute as pc
 
 from ti_schema.compat import MetadataSource, read_metadata, version_problems
 from ti_schema.errors import Mismatch, SchemaMismatchError
+from ti_schema.events import EVENT_KINDS, EVENT_SIGNALS, events_schema
 from ti_schema.metrics import MetricProfile
 from ti_schema.names import MODES
-from ti_schema.schemas import HISTOGRAMS, HISTORY, SchemaName, histogram_schema, history_schema
+from ti_schema.precision import metric_name_problem
+from ti_schema.schemas import (
+    EVENTS,
+    HISTOGRAMS,
+    HISTORY,
+    SchemaName,
+    histogram_schema,
+    history_schema,
+)
 from ti_schema.signals import SIGNAL_DECLARATION, SignalDeclaration
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_MINOR
 
@@ -179,18 +188,9 @@ def _signal_rule(
     return problems
 
 
-def _common_rules(
-    table: pa.Table,
-    usable: frozenset[str],
-    version: tuple[int, int] | None,
-    signals: SignalDeclaration,
-) -> list[Mismatch]:
+def _negative(table: pa.Table, usable: frozenset[str], columns: tuple[str, ...]) -> list[Mismatch]:
     problems: list[Mismatch] = []
-    if "signal" in usable:
-        problems += _signal_rule(table, version, signals)
-    if "mode" in usable:
-        problems += _domain(table, "mode", MODES)
-    for column in _NON_NEGATIVE:
+    for column in columns:
         if column in usable and table.num_rows:
             count, first = _count_and_first(pc.less(table.column(column), 0))
             if count:
@@ -202,6 +202,20 @@ def _common_rules(
                     )
                 )
     return problems
+
+
+def _common_rules(
+    table: pa.Table,
+    usable: frozenset[str],
+    version: tuple[int, int] | None,
+    signals: SignalDeclaration,
+) -> list[Mismatch]:
+    problems: list[Mismatch] = []
+    if "signal" in usable:
+        problems += _signal_rule(table, version, signals)
+    if "mode" in usable:
+        problems += _domain(table, "mode", MODES)
+    return problems + _negative(table, usable, _NON_NEGATIVE)
 
 
 def _fraction_rule(table: pa.Table, profile: MetricProfile) -> list[Mismatch]:
@@ -232,6 +246,23 @@ def _fraction_rule(table: pa.Table, profile: MetricProfile) -> list[Mismatch]:
     ]
 
 
+PRECISION_MINOR: Final[int] = 3
+"""The contract minor that reserved ``<metric>.<format>`` names for the precision metrics."""
+
+
+def _metric_name_rule(table: pa.Table, version: tuple[int, int] | None) -> list[Mismatch]:
+    """``<metric>.<format>`` names only a declared precision metric and format (data of a
+    minor before the precision metrics may hold any name)."""
+    if version is not None and version[1] < PRECISION_MINOR:
+        return []
+    names = sorted(_distinct_strings(table.column("metric")))
+    problems = [p for p in map(metric_name_problem, names) if p is not None]
+    if not problems:
+        return []
+    shown = "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else "")
+    return [Mismatch("data", "column 'metric'", shown)]
+
+
 def _history_rules(
     table: pa.Table,
     usable: frozenset[str],
@@ -240,6 +271,8 @@ def _history_rules(
     signals: SignalDeclaration = SIGNAL_DECLARATION,
 ) -> list[Mismatch]:
     problems = _common_rules(table, usable, version, signals)
+    if "metric" in usable and table.num_rows:
+        problems += _metric_name_rule(table, version)
     if profile is not None and {"metric", "value"} <= usable and table.num_rows:
         problems += _fraction_rule(table, profile)
     if {"value", "unavailable_reason"} <= usable and table.num_rows:
@@ -433,12 +466,58 @@ def problems_for(
     return problems
 
 
+def _event_rules(
+    table: pa.Table, usable: frozenset[str], version: tuple[int, int] | None
+) -> list[Mismatch]:
+    """``kind`` and ``signal`` domains; a nonfinite event names its signal and first module;
+    ``layers`` and ``tensor_paths`` pair position by position."""
+    problems: list[Mismatch] = []
+    if "kind" in usable:
+        problems += _domain(table, "kind", EVENT_KINDS)
+    if "signal" in usable:
+        problems += _domain(table, "signal", EVENT_SIGNALS)
+    problems += _negative(table, usable, ("rank", "event_id", "dense_forwards"))
+    if {"kind", "signal", "layer"} <= usable and table.num_rows:
+        nonfinite = pc.equal(table.column("kind").cast(pa.large_string()), "nonfinite")
+        missing = pc.or_(pc.is_null(table.column("signal")), pc.is_null(table.column("layer")))
+        count, first = _count_and_first(pc.and_(nonfinite, missing))
+        if count:
+            problems.append(
+                Mismatch(
+                    "data",
+                    "columns 'signal'/'layer'",
+                    f"{count} nonfinite event(s), first at row {first}, name no signal or no "
+                    "first module",
+                )
+            )
+    if {"layers", "tensor_paths"} <= usable and table.num_rows:
+        unequal = pc.not_equal(
+            pc.list_value_length(table.column("layers")),
+            pc.list_value_length(table.column("tensor_paths")),
+        )
+        count, first = _count_and_first(unequal)
+        if count:
+            problems.append(
+                Mismatch(
+                    "data",
+                    "columns 'layers'/'tensor_paths'",
+                    f"{count} row(s), first at row {first}, hold lists of different lengths; "
+                    "they pair position by position",
+                )
+            )
+    return problems
+
+
 HISTORY_CONTRACT: Final[Contract] = Contract(
     HISTORY, history_schema("ti-schema"), data_rules=_history_rules
 )
 HISTOGRAMS_CONTRACT: Final[Contract] = Contract(
     HISTOGRAMS, histogram_schema("ti-schema"), data_rules=_histogram_rules
 )
+EVENTS_CONTRACT: Final[Contract] = Contract(
+    EVENTS, events_schema("ti-schema"), data_rules=_event_rules
+)
+"""``ti.events`` exists from contract 1.3 on; data of an older version has no events table."""
 
 
 def validate_history(
@@ -499,3 +578,24 @@ def validate_histograms(
     )
     if problems:
         raise SchemaMismatchError(HISTOGRAMS, problems)
+
+
+def validate_events(
+    table_or_schema: Any,
+    *,
+    metadata: MetadataSource = None,
+    nullability: Nullability = "schema",
+) -> None:
+    """Raise :class:`SchemaMismatchError` listing every way the data breaks ``ti.events``.
+
+    Arguments as for :func:`validate_history`.
+    """
+    problems = problems_for(
+        table_or_schema,
+        EVENTS_CONTRACT,
+        metadata=metadata,
+        nullability=nullability,
+        function="validate_events",
+    )
+    if problems:
+        raise SchemaMismatchError(EVENTS, problems)

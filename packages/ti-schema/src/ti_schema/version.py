@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Final
 
-SCHEMA_VERSION: Final[str] = "1.2"
+SCHEMA_VERSION: Final[str] = "1.3"
 """``major.minor`` of the ti contract. A minor bump only adds nullable columns, optional keys of
 the ``ti`` metadata or values of the ``signal`` column (1.1 added ``window``, ``upgraded_from``
 and ``unrecorded``; 1.2 the signals ``parameter``, ``parameter_gradient`` and
-``parameter_update``)."""
+``parameter_update``; 1.3 the ``ti.events`` table, written by the flight recorder, and the
+precision metrics ``min_abs_nonzero`` and ``<metric>.<format>``, :mod:`ti_schema.precision`)."""
 
 SCHEMA_MAJOR: Final[int] = int(SCHEMA_VERSION.split(".")[0])
 SCHEMA_MINOR: Final[int] = int(SCHEMA_VERSION.split(".")[1])

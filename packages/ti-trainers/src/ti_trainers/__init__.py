@@ -6,9 +6,10 @@
   ``Trainer.train`` begin, remove at its end.
 
 Both take the keyword arguments of ``ti_core.inject_observer`` and decide the rank from the
-trainer (:class:`TrainerRanks`). Importing this package loads neither Lightning nor
-transformers: each callback's module is imported when the name is first used, and says which
-extra to install when its library is missing.
+trainer (:class:`TrainerRanks`); ``loss_trigger=`` asks for a dense capture when the logged
+training loss is non-finite or spikes (:class:`LossSpike`). Importing this package loads
+neither Lightning nor transformers: each callback's module is imported when the name is first
+used, and says which extra to install when its library is missing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ti_trainers.attachment import NothingObservedWarning, TrainerRanks
+from ti_trainers.loss_spike import LossSpike
 
 if TYPE_CHECKING:
     from ti_trainers.huggingface import HFObserverCallback
@@ -30,6 +32,7 @@ _LAZY = {
 __all__ = [
     "HFObserverCallback",
     "LightningObserverCallback",
+    "LossSpike",
     "NothingObservedWarning",
     "TrainerRanks",
 ]

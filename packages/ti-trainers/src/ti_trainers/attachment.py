@@ -3,7 +3,9 @@ event with the trainer's own rank and directory, detached exactly once.
 
 Shared by the Lightning and Hugging Face callbacks; imports neither library. The options are
 those of ``ti_core.inject_observer`` (``ti_core.api.ObserverOptions``); the callbacks only fill
-in what the trainer knows: where to write by default, and which rank this process is.
+in what the trainer knows: where to write by default, and which rank this process is. With a
+loss trigger (``loss_trigger=``, :class:`ti_trainers.LossSpike`), the losses the callback reads
+are tested here and an alarming one becomes ``ti_core.trigger_capture(kind="loss")``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,20 @@ from typing import Any, Final, Literal, get_args
 
 from torch import nn
 
-from ti_core import has_observer, inject_observer, observer_of, remove_observer
+from ti_core import (
+    Event,
+    has_observer,
+    inject_observer,
+    observer_of,
+    remove_observer,
+    trigger_capture,
+)
 from ti_core.api import ObserverOptions
 from ti_core.sink import Sink
 from ti_io import DirectorySink
 from ti_schema.layout import rank_dir_name
 from ti_schema.ranks import RankSelection
+from ti_trainers.loss_spike import LossSpike, resolve_loss_trigger
 
 RankPolicyName = Literal["rank0", "all"]
 """The named rank policies a callback resolves from the trainer's own rank."""
@@ -121,10 +131,19 @@ class Attachment:
     """The observer of one training run: attached by :meth:`attach`, removed by
     :meth:`detach` (idempotent). A callback owns one and calls them from the trainer's events."""
 
-    def __init__(self, options: Mapping[str, object], owner: str, *, hint: str = "") -> None:
+    def __init__(
+        self,
+        options: Mapping[str, object],
+        owner: str,
+        *,
+        hint: str = "",
+        loss_trigger: object = None,
+    ) -> None:
         self._owner = owner
         self._hint = hint
         self._options = check_options(options, owner)
+        self.loss_spike: LossSpike | None = resolve_loss_trigger(loss_trigger, owner)
+        """The test of :meth:`report_loss` (``loss_trigger=``); None: losses are not read."""
         self._model: nn.Module | None = None
         self._remove_counter: Callable[[], None] | None = None
         self._forwards = 0
@@ -173,6 +192,8 @@ class Attachment:
         inject_observer(model, **options)
         if not has_observer(model):
             return  # this rank does not observe: nothing attached, nothing to remove
+        if self.loss_spike is not None:
+            self.loss_spike.reset()  # a new run: no history from an earlier one
         self._model = model
         self._forwards = 0
         self._remove_counter = model.register_forward_pre_hook(self._count).remove
@@ -181,6 +202,19 @@ class Attachment:
         if base is not None and observer is not None:
             subdir = observer.run.rank_subdir
             self.output_dir = Path(base) / subdir if subdir else Path(base)
+
+    def report_loss(self, loss: float) -> Event | None:
+        """Test a loss the trainer logged (:attr:`loss_spike`); when it fires, record a
+        ``loss`` event with the reason and capture the next root forwards densely
+        (``ti_core.trigger_capture``: the sentinel's ``dense_forwards``, else 4). Returns the
+        event; None when nothing fired, without a loss trigger, or when nothing is attached."""
+        detector, model = self.loss_spike, self._model
+        if detector is None or model is None:
+            return None
+        reason = detector.check(loss)
+        if reason is None:
+            return None
+        return trigger_capture(model, kind="loss", value=float(loss), reason=reason)
 
     def _count(self, module: nn.Module, args: object) -> None:
         self._forwards += 1

@@ -6,7 +6,8 @@ attached at ``on_train_begin`` and removed at ``on_train_end`` (artifacts finali
 clean). The Trainer gives callbacks no event when training raises: then the observer stays
 attached until :meth:`HFObserverCallback.remove` is called (do it in a ``finally``), and if the
 process ends first, the parts it published stay readable and are finished with
-``ti consolidate``.
+``ti consolidate``. ``loss_trigger=`` tests the training loss of every log (``on_log``) and
+asks for a dense capture on a non-finite loss or a spike (:class:`ti_trainers.LossSpike`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from ti_core.api import ObserverOptions
 from ti_trainers.attachment import Attachment
+from ti_trainers.loss_spike import LossSpike
 
 STATS_DIR = "stats"
 """The folder under ``args.output_dir`` that receives the artifacts by default."""
@@ -51,15 +53,36 @@ class HFObserverCallback(TrainerCallback):
     batches during training are recorded as ``mode="eval"`` rows. With
     ``gradient_checkpointing=True`` the recomputation during backward is not a new sample
     (docs/capture.md, "Activation checkpointing"). When training raises, call :meth:`remove`.
+
+    ``loss_trigger``: ``True`` (``LossSpike()``: z=4, window=50, min_history=10), a
+    :class:`ti_trainers.LossSpike`, or None (default, off). The loss is ``logs["loss"]`` of
+    each training log (every ``logging_steps``: the mean loss since the previous log, already
+    a float, so no device read is added). A non-finite loss or a spike records a ``loss``
+    event and samples the next root forwards in full (``ti_core.trigger_capture``;
+    ``sentinel=Sentinel(dense_forwards=...)`` sets how many, default 4). The Trainer replaces a
+    non-finite step loss by the running mean unless ``logging_nan_inf_filter=False``: set it
+    for the non-finite test to see NaN losses (or use ``sentinel=True``, which checks the
+    model's outputs and gradients).
     """
 
-    def __init__(self, **options: Unpack[ObserverOptions]) -> None:
+    def __init__(
+        self,
+        *,
+        loss_trigger: bool | LossSpike | None = None,
+        **options: Unpack[ObserverOptions],
+    ) -> None:
         super().__init__()
         self._attachment = Attachment(
             options,
             "HFObserverCallback",
             hint="Does your Trainer call the model it was given?",
+            loss_trigger=loss_trigger,
         )
+
+    @property
+    def loss_trigger(self) -> LossSpike | None:
+        """The loss test (``loss_trigger=``), or None when off."""
+        return self._attachment.loss_spike
 
     @property
     def output_dir(self) -> Path | None:
@@ -87,6 +110,20 @@ class HFObserverCallback(TrainerCallback):
             rank=int(args.process_index),
             world_size=int(args.world_size),
         )
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Test the training loss of this log (``loss_trigger=``); evaluation logs and the
+        final summary (``eval_loss``, ``train_loss``) are not training losses."""
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, int | float) and not isinstance(loss, bool):
+            self._attachment.report_loss(float(loss))
 
     def on_train_end(
         self,

@@ -4,11 +4,15 @@ Needs the ``lightning`` extra: ``pip install "ti-trainers[lightning]"``. Lifecyc
 callback: the observer is attached at ``on_fit_start`` (after the strategy has set the model up,
 so the rank is known) and removed at ``on_fit_end``, or at ``on_exception`` when the fit fails;
 removal finalizes the artifacts and leaves the model without any hook. ``teardown`` removes it
-too, should Lightning skip both.
+too, should Lightning skip both. ``loss_trigger=`` reads the training step's loss when Lightning
+logs (every ``log_every_n_steps`` optimizer steps) and asks for a dense capture on a non-finite
+loss or a spike (:class:`ti_trainers.LossSpike`).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -21,15 +25,22 @@ except ImportError as _import_error:
         'you can use the `lightning` optional group — `pip install "ti-trainers[lightning]"`'
     ) from _import_error
 
-from torch import nn
+from torch import Tensor, nn
 
 from ti_core.api import ObserverOptions
 from ti_core.sink import Sink
 from ti_io import TensorBoardSink
 from ti_trainers.attachment import Attachment
+from ti_trainers.loss_spike import LossSpike
 
 STATS_DIR = "stats"
 """The folder under the trainer's log directory that receives the artifacts by default."""
+
+
+def _log_every_n_steps(trainer: Trainer) -> int:
+    """``Trainer(log_every_n_steps=...)`` (set on the trainer at construction, untyped)."""
+    every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
+    return every
 
 
 class LightningObserverCallback(Callback):
@@ -53,6 +64,16 @@ class LightningObserverCallback(Callback):
     validation batches are recorded too, as ``mode="eval"`` rows without gradients (the sanity
     check's batches included). Each ``fit`` writes a new run; artifacts of a failed fit are
     finalized all the same.
+
+    ``loss_trigger``: ``True`` (``LossSpike()``: z=4, window=50, min_history=10), a
+    :class:`ti_trainers.LossSpike`, or None (default, off). The loss is the one Lightning passes
+    to ``on_train_batch_end`` (the ``training_step`` tensor, or its ``"loss"`` entry; divided
+    by ``accumulate_grad_batches``, as Lightning scales it), read on the host only on the
+    batches where Lightning logs: the optimizer stepped and ``global_step`` is a multiple of
+    ``log_every_n_steps`` (set ``Trainer(log_every_n_steps=1)`` to test every step). A
+    non-finite loss or a spike records a ``loss`` event and samples the next root forwards in
+    full (``ti_core.trigger_capture``; ``sentinel=Sentinel(dense_forwards=...)`` sets how many,
+    default 4).
     """
 
     def __init__(
@@ -60,6 +81,7 @@ class LightningObserverCallback(Callback):
         *,
         module: str | None = None,
         logger_histograms: bool = True,
+        loss_trigger: bool | LossSpike | None = None,
         **options: Unpack[ObserverOptions],
     ) -> None:
         super().__init__()
@@ -82,7 +104,10 @@ class LightningObserverCallback(Callback):
                 "Call it in your steps (`self(x)` in training_step and validation_step), or "
                 "pass module='...' naming the submodule they call"
             ),
+            loss_trigger=loss_trigger,
         )
+        self._step_before_batch: int | None = None
+        self._loss_warned = False
 
     @property
     def output_dir(self) -> Path | None:
@@ -119,6 +144,60 @@ class LightningObserverCallback(Callback):
             world_size=trainer.world_size,
             extra_sinks=sinks,
         )
+        self._step_before_batch = None
+        self._loss_warned = False
+        if self.loss_trigger is not None and _log_every_n_steps(trainer) <= 0:
+            self._warn_once(
+                "Trainer(log_every_n_steps=0) logs no training step, so loss_trigger reads no "
+                "loss; set log_every_n_steps >= 1"
+            )
+
+    @property
+    def loss_trigger(self) -> LossSpike | None:
+        """The loss test (``loss_trigger=``), or None when off."""
+        return self._attachment.loss_spike
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Remember the optimizer step count, to tell at batch end whether the optimizer
+        stepped (not on an accumulation micro-batch)."""
+        self._step_before_batch = trainer.global_step
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """On a batch Lightning logs, test the step's loss (``loss_trigger=``)."""
+        if self.loss_trigger is None or not self._attachment.attached:
+            return
+        step, every = trainer.global_step, _log_every_n_steps(trainer)
+        stepped = self._step_before_batch is not None and step != self._step_before_batch
+        self._step_before_batch = None
+        if not stepped or every <= 0 or step % every:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            value = float(loss.detach())  # the host read, at the logging cadence only
+        elif isinstance(loss, int | float) and not isinstance(loss, bool):
+            value = float(loss)
+        else:
+            if loss is not None:  # None: a skipped step, nothing to test
+                self._warn_once(
+                    "training_step returned no scalar loss (a one-element tensor, or a dict "
+                    f"with one under 'loss'), got {type(loss).__name__}: loss_trigger skips it"
+                )
+            return
+        self._attachment.report_loss(value)
+
+    def _warn_once(self, message: str) -> None:
+        if not self._loss_warned:
+            self._loss_warned = True
+            warnings.warn(f"LightningObserverCallback: {message}", UserWarning, stacklevel=3)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Remove the observer: hooks off, artifacts finalized."""

@@ -1,4 +1,4 @@
-"""The runtime protocol between a compiled graph and its observer: five custom operators.
+"""The runtime protocol between a compiled graph and its observer: seven custom operators.
 
 Compiled code runs Python only inside an operator the compiler treats as opaque; these
 operators are that door. Each is a ``torch.library.custom_op`` in the ``ti`` namespace, declared
@@ -78,6 +78,16 @@ class CompiledTarget(Protocol):
         """Run time: an unsampled root forward whose root hooks were traced ends."""
         ...
 
+    def compiled_check(self, values: list[torch.Tensor], layer: int, site: int) -> None:
+        """Run time: the sentinel's values (``aminmax`` pairs) of one call's tensors."""
+        ...
+
+    def compiled_check_grad(
+        self, low: torch.Tensor, high: torch.Tensor, layer: int, site: int, position: int
+    ) -> None:
+        """Run time: the sentinel's values of the gradient flowing into one output tensor."""
+        ...
+
     def compiled_record(
         self,
         tensors: list[torch.Tensor],
@@ -99,10 +109,12 @@ class TraceFlags:
     cached graph (no recompilation once both exist). Written by the gate only.
     """
 
-    __slots__ = ("root_layer", "sampled", "tickets")
+    __slots__ = ("root_layer", "sampled", "sentinel", "tickets")
 
     def __init__(self, root_layer: int | None) -> None:
         self.sampled = False
+        self.sentinel = False
+        """The flight recorder's sentinel checks every forward (fixed at attach)."""
         """The root forward about to run (decided ahead: the next one) is sampled."""
         self.root_layer = root_layer
         """Index of the root among the selected modules, or None."""
@@ -252,7 +264,39 @@ def _advance_fake(key: int) -> None:
     return None
 
 
-OPERATORS: Final = (begin, record_call, record_grad, end, advance)
+@torch.library.custom_op(f"{NAMESPACE}::check", mutates_args=(), tags=_TAGS)
+def check(values: list[torch.Tensor], key: int, layer: int, site: int) -> None:
+    """The flight recorder's check of one call of a selected module, on every compiled forward:
+    ``values`` holds the ``aminmax`` of each checked tensor (computed in the graph, on the
+    tensors' device), in the order of the paths interned as ``site``."""
+    target = target_of(key)
+    if target is not None:
+        target.compiled_check(values, layer, site)
+
+
+@check.register_fake
+def _check_fake(values: list[torch.Tensor], key: int, layer: int, site: int) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::check_grad", mutates_args=(), tags=_TAGS)
+def check_grad(
+    low: torch.Tensor, high: torch.Tensor, key: int, layer: int, site: int, position: int
+) -> None:
+    """The flight recorder's check of the gradient flowing into one checked output tensor."""
+    target = target_of(key)
+    if target is not None:
+        target.compiled_check_grad(low, high, layer, site, position)
+
+
+@check_grad.register_fake
+def _check_grad_fake(
+    low: torch.Tensor, high: torch.Tensor, key: int, layer: int, site: int, position: int
+) -> None:
+    return None
+
+
+OPERATORS: Final = (begin, record_call, record_grad, end, advance, check, check_grad)
 for _op in OPERATORS:
     _op.register_effect(EffectType.ORDERED)
 
@@ -270,6 +314,8 @@ __all__ = [
     "TraceFlags",
     "advance",
     "begin",
+    "check",
+    "check_grad",
     "end",
     "record_call",
     "record_grad",

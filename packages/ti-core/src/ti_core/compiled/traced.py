@@ -36,6 +36,8 @@ from ti_core.compiled.operators import (
     TraceFlags,
     advance,
     begin,
+    check,
+    check_grad,
     end,
     record_call,
     record_grad,
@@ -177,10 +179,46 @@ def _capture(key: int, flags: TraceFlags, layer: int, module: nn.Module, output:
             tensor.register_hook(_reporter(ticket, position))  # type: ignore[no-untyped-call]
 
 
+_CHECKED: Final = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _grad_checker(key: int, layer: int, site: int, position: int) -> Callable[[Tensor], None]:
+    """The sentinel's gradient hook for one output tensor: its gradient's ``aminmax``, computed
+    in the backward graph, to ``check_grad``; never changes the gradient."""
+
+    def report(grad: Tensor) -> None:
+        low, high = torch.aminmax(grad.detach())
+        check_grad(low, high, key, layer, site, position)
+
+    return report
+
+
+def _check(key: int, layer: int, output: Any) -> None:
+    """The flight recorder's sentinel on one call, in every variant of the graph: the
+    ``aminmax`` of each floating tensor of the output (on its device, no host read) to one
+    ``check``, and a gradient hook on each one a gradient will reach."""
+    leaves = [(p, t) for p, t in traced_leaves(output) if t.dtype in _CHECKED]
+    if not leaves:
+        return
+    values: list[Tensor] = []
+    for _, tensor in leaves:
+        low, high = torch.aminmax(tensor.detach())
+        values += [low, high]
+    site = _site(key, tuple(p for p, _ in leaves))
+    check(values, key, layer, site)
+    if not is_grad_enabled() or _nested():
+        return
+    for position, (_, tensor) in enumerate(leaves):
+        if tensor.requires_grad and not tensor.is_leaf:
+            tensor.register_hook(_grad_checker(key, layer, site, position))  # type: ignore[no-untyped-call]
+
+
 def call(key: int, layer: int, module: nn.Module, output: Any) -> None:
     """Traced forward hook of a selected module (also the traced path of a forward override)."""
     _enter_compiled(key, False)
     flags = FLAGS[key]
+    if flags.sentinel:
+        _check(key, layer, output)
     if flags.sampled:
         _capture(key, flags, layer, module, output)
 
@@ -198,6 +236,8 @@ def root_enter(key: int) -> None:
 def root_exit(key: int, module: nn.Module, output: Any) -> None:
     """Traced root forward hook: capture the root's output when selected, end the forward."""
     flags = FLAGS[key]
+    if flags.sentinel and flags.root_layer is not None:
+        _check(key, flags.root_layer, output)
     if not flags.sampled:
         advance(key)
         return

@@ -3,9 +3,9 @@
 Ownership: the observer opens its sinks in ``inject_observer`` (before this exists) and closes
 each exactly once through :meth:`SinkFanout.close` in ``remove_observer``. Every write of every
 signal, inline or from the emission worker, goes through :meth:`SinkFanout.write_history` /
-:meth:`SinkFanout.write_histograms`, under one lock, so sinks see one writer at a time and
-nothing after their close. :meth:`SinkFanout.flush` (SIGTERM, interpreter exit) calls the
-sinks' declared ``flush`` outside that lock.
+:meth:`SinkFanout.write_histograms` (events: :meth:`SinkFanout.write_events`), under one lock,
+so sinks see one writer at a time and nothing after their close. :meth:`SinkFanout.flush`
+(SIGTERM, interpreter exit) calls the sinks' declared ``flush`` outside that lock.
 """
 
 from __future__ import annotations
@@ -74,6 +74,20 @@ class SinkFanout:
             for sink in self.sinks:
                 try:
                     sink.write_histograms(batch)
+                except Exception as error:
+                    self.report(sink, "writing to", error)
+
+    def write_events(self, batch: pa.RecordBatch) -> None:
+        """Give one ``ti.events`` batch to every sink that declared ``write_events`` (dropped
+        once the sinks are closed)."""
+        with self._lock:
+            if self._closed:
+                return
+            for sink, declared in zip(self.sinks, self.capabilities, strict=True):
+                if declared.write_events is None:
+                    continue
+                try:
+                    declared.write_events(batch)
                 except Exception as error:
                     self.report(sink, "writing to", error)
 

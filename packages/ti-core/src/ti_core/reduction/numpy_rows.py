@@ -98,6 +98,16 @@ class Rows:
     """``(k, w)``: row ``r`` holds tensor ``r``'s entries (in no particular order) in its first
     ``numel[r]`` places and NaN after them (float32 or float64): for a metric that needs
     more than the above, at the price of its own pass."""
+    last_dim: np.ndarray | None = None
+    """``(k,)``: the size of each tensor's last dimension (its element count for a 0-d or 1-D
+    tensor), where a metric reads entries in their order (``entries`` then holds them in
+    row-major order); None: the engine path did not record it (every tensor 1-D)."""
+    ordered: np.ndarray | None = None
+    """``(k, w)``, where the path sorted anyway (the batched one): each row's finite entries
+    ascending in its first ``finite`` places, ``+inf`` after them; None elsewhere."""
+    cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    """What several metric functions of the same rows share (one pass for them all), keyed
+    by the function family that computed it."""
 
 
 NumpyMetric = Callable[[Rows], np.ndarray]
@@ -117,6 +127,12 @@ METRICS: Final[Mapping[str, NumpyMetric]] = MappingProxyType(
     }
 )
 """One function per metric of ``ti_schema.DEFAULT_PROFILE``."""
+
+
+def reads_order(layout: ProfileLayout, metrics: Mapping[str, NumpyMetric]) -> bool:
+    """Whether a metric of ``layout`` reads ``Rows.entries`` in their order (its function has
+    a true ``reads_order`` attribute): the batched path then sorts a copy."""
+    return any(getattr(metrics[name], "reads_order", False) for name in layout.metrics)
 
 
 def fill(rows: Rows, layout: ProfileLayout, metrics: Mapping[str, NumpyMetric]) -> np.ndarray:
@@ -372,11 +388,14 @@ def reduce_large(
     parallel: bool = False,
     layout: ProfileLayout = DEFAULT_LAYOUT,
     metrics: Mapping[str, NumpyMetric] = METRICS,
+    last_dim: int | None = None,
 ) -> tuple[np.ndarray, Moments]:
     """The exact profile row of a 1-D float32/float64 array, and the moments a histogram of
     the same array needs. ``parallel``: the caller waits for the result (the training thread),
-    so the pass may use a helper thread (:func:`in_halves`)."""
+    so the pass may use a helper thread (:func:`in_halves`). ``last_dim``: the last dimension
+    of the tensor ``a`` flattens (row-major; default ``a.size``)."""
     n = a.size
+    dims = np.array([float(n if last_dim is None else last_dim)])
     bands = _bands(a)
     # Shifting by a central value before summing keeps the one-pass variance exact in
     # float64: |mean - median| <= std, so E[(x - k)^2] is at most 2 var.
@@ -414,7 +433,16 @@ def reduce_large(
     nan = one(math.nan)
     if nf == 0:
         rows = Rows(
-            one(n), one(0), one(zeros), nan, nan, nan, nan, np.full((1, 3), math.nan), a[None, :]
+            one(n),
+            one(0),
+            one(zeros),
+            nan,
+            nan,
+            nan,
+            nan,
+            np.full((1, 3), math.nan),
+            a[None, :],
+            dims,
         )
         with np.errstate(all="ignore"):
             row = fill(rows, layout, metrics)[0]
@@ -438,6 +466,7 @@ def reduce_large(
         one(hi_all),
         np.array([_quartiles(a, nf, bands)], dtype=np.float64),
         a[None, :],
+        dims,
     )
     # sum(x^2) = n (var + mean^2): two non-negative terms, no cancellation.
     with np.errstate(all="ignore"):
@@ -483,11 +512,14 @@ def batched_rows(
     numel: np.ndarray,
     layout: ProfileLayout = DEFAULT_LAYOUT,
     metrics: Mapping[str, NumpyMetric] = METRICS,
+    last_dim: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Profile rows of the rows of ``x`` (float32 or float64, NaN-padded; the unpadded lengths
     are ``numel``), one small tensor per row. Sums are in float64.
-    ``x`` is scratch: its rows are sorted in place. Also returns the sorted matrix: the first
-    ``finite count`` entries of each of its rows are that row's finite values, ascending."""
+    ``x`` is scratch: its rows are sorted in place, unless a metric reads entries in their
+    order (:func:`reads_order`; ``last_dim``: each tensor's last dimension, default
+    ``numel``). Also returns the sorted matrix: the first ``finite count`` entries of each of
+    its rows are that row's finite values, ascending."""
     k, width = x.shape
     f64 = np.float64
     with np.errstate(all="ignore"):  # rows without finite entries give NaN, masked later
@@ -498,7 +530,7 @@ def batched_rows(
             nf = np.full(k, float(width))
             mean = sums / width
             d = np.subtract(x, mean[:, None], out=_scratch.take((k, width)))
-            key = x
+            key = x.copy() if reads_order(layout, metrics) else x
         else:
             finite = np.isfinite(x)
             nf = np.count_nonzero(finite, axis=1).astype(f64)
@@ -538,6 +570,8 @@ def batched_rows(
             hi=picked[:, 0],
             quartiles=lerp_array(a, b, t),
             entries=x,
+            last_dim=numel if last_dim is None else last_dim,
+            ordered=ordered,
         )
         return fill(rows, layout, metrics), ordered
 
@@ -552,6 +586,7 @@ __all__ = [
     "batched_rows",
     "fill",
     "in_halves",
+    "reads_order",
     "reduce_large",
     "row_moments",
 ]

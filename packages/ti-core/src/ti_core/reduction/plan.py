@@ -24,7 +24,7 @@ from ti_core.reduction import numpy_rows, support, torch_rows
 from ti_core.reduction.engines import DEFAULT_ENGINES, ProfileEngines
 from ti_core.reduction.numpy_rows import Moments
 from ti_core.reduction.support import EXACT_IN_FLOAT32, dtype_name, flat_float, unsupported_reason
-from ti_schema import DEFAULT_METRICS
+from ti_schema import DEFAULT_METRICS, metric_name_problem
 
 __all__ = [
     "DefaultProfile",
@@ -159,6 +159,12 @@ class ReductionPlan:
                     raise TypeError(
                         f"reducers[{i}].name must be a non-empty string, got {spec.name!r}"
                     )
+                problem = metric_name_problem(spec.name)
+                if problem is not None:
+                    raise ValueError(
+                        f"reducers[{i}]: {problem}; such names are reserved for the precision "
+                        "metrics (inject_observer(precision=...)); name the Reducer otherwise"
+                    )
                 self._custom.append((len(names), spec))
                 names.append(spec.name)
             else:
@@ -168,6 +174,10 @@ class ReductionPlan:
                 )
         over_finite = self.engines.layout.over_finite
         self._over_finite = np.array([c in over_finite for c in self._default_cols], dtype=bool)
+        profile = self.engines.metrics
+        self._null_reasons = [
+            profile.get(n).null_reason or OVERFLOW_REASON for n in self._default_names
+        ]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(
@@ -278,7 +288,7 @@ class ReductionPlan:
         out.values[rows[:, None], cols[None, :]] = np.where(ok, vals + 0.0, np.nan)
         out.available[rows[:, None], cols[None, :]] = ok
         for r, c in zip(*np.nonzero(~ok), strict=True):
-            reason = NO_FINITE_REASON if no_finite[r, c] else OVERFLOW_REASON
+            reason = NO_FINITE_REASON if no_finite[r, c] else self._null_reasons[c]
             out.reasons[idx[r]][self._default_out[c]] = reason
 
     # -- custom reducers ---------------------------------------------------------------------
@@ -356,11 +366,13 @@ class _Pending:
         if support.uses_numpy(t.device):
             flat = flat_float(t).numpy()
             row, out.moments[i] = numpy_rows.reduce_large(
-                flat, self.parallel, engines.layout, engines.numpy
+                flat, self.parallel, engines.layout, engines.numpy, _last_dim(t)
             )
             self.add_host_rows([i], row.reshape(1, self.width))
         else:
-            row_t = torch_rows.large_row_optimistic(flat_float(t), engines.layout, engines.torch)
+            row_t = torch_rows.large_row_optimistic(
+                flat_float(t), engines.layout, engines.torch, _last_dim(t)
+            )
             self.retry.add(i)
             self.add_rows(t.device, [i], row_t.reshape(1, self.width))
 
@@ -407,13 +419,17 @@ def _retry_exact(plan: ReductionPlan, out: _Output, i: int, t: torch.Tensor) -> 
     # none, so redo it exactly (this costs extra synchronizations, only in this case).
     try:
         engines = plan.engines
-        return (
-            torch_rows.large_row_exact(flat_float(t), engines.layout, engines.torch).cpu().numpy()
-        )
+        row = torch_rows.large_row_exact(flat_float(t), engines.layout, engines.torch, _last_dim(t))
+        return row.cpu().numpy()
     except Exception as exc:
         out.errors.append(exc)
         plan._fail_default(out, i, f"{type(exc).__name__}: {exc}")
         return None
+
+
+def _last_dim(t: torch.Tensor) -> int:
+    """The last dimension of ``t`` (1 for a 0-d tensor): what a block along it needs."""
+    return t.shape[-1] if t.dim() else 1
 
 
 # -- batched small tensors ---------------------------------------------------------------------
@@ -477,8 +493,13 @@ def _host_rows(
             x[row : row + len(part), w:] = math.nan
         row += len(part)
     lay = engines.layout
+    dims = [float(part[0].shape[-1] if part[0].dim() else 1) for part in parts for _ in part]
     rows, keys = numpy_rows.batched_rows(
-        x, np.asarray(lengths, dtype=np.float64), lay, engines.numpy
+        x,
+        np.asarray(lengths, dtype=np.float64),
+        lay,
+        engines.numpy,
+        np.asarray(dims, dtype=np.float64),
     )
     finite = rows[:, lay.finite_count].astype(np.intp).tolist()
     r = 0

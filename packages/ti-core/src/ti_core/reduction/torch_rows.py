@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
@@ -46,6 +46,16 @@ class Rows:
     entries: torch.Tensor
     """``(k, w)``: tensor ``r``'s entries in the first ``numel[r]`` places of row ``r``, NaN
     after them (any float dtype)."""
+    last_dim: torch.Tensor | None = None
+    """``(k,)``: the size of each tensor's last dimension (its element count for a 0-d or 1-D
+    tensor), where a metric reads entries in their order (``entries`` then holds them in
+    row-major order); None: the engine path did not record it (every tensor 1-D)."""
+    ordered: torch.Tensor | None = None
+    """``(k, w)``, where the path sorted anyway (the batched one): each row's finite entries
+    ascending in its first ``finite`` places, ``+inf`` after them; None elsewhere."""
+    cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    """What several metric functions of the same rows share (one pass for them all), keyed
+    by the function family that computed it."""
 
 
 TorchMetric = Callable[[Rows], torch.Tensor]
@@ -94,6 +104,7 @@ def batched_rows(
     widths = [part[0].numel() for part in parts]
     width = max(widths)
     lengths = [w for part, w in zip(parts, widths, strict=True) for _ in part]
+    dims = [float(part[0].shape[-1] if part[0].dim() else 1) for part in parts for _ in part]
     blocks = []
     for part, w in zip(parts, widths, strict=True):
         block = torch.stack(part).detach().reshape(len(part), w).to(torch.float64)
@@ -102,7 +113,8 @@ def batched_rows(
         blocks.append(block)
     x = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     numel = torch.tensor(lengths, dtype=torch.float64).to(device, non_blocking=True)
-    return _matrix_rows(x, numel, layout, metrics)
+    last_dim = torch.tensor(dims, dtype=torch.float64).to(device, non_blocking=True)
+    return _matrix_rows(x, numel, layout, metrics, last_dim)
 
 
 def _matrix_rows(
@@ -110,6 +122,7 @@ def _matrix_rows(
     numel: torch.Tensor,
     layout: ProfileLayout,
     metrics: Mapping[str, TorchMetric],
+    last_dim: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Profile rows of the rows of the NaN-padded float64 matrix ``x`` (unpadded lengths
     ``numel``): :func:`ti_core.reduction.numpy_rows.batched_rows` in torch."""
@@ -138,7 +151,9 @@ def _matrix_rows(
         ],
         dim=1,
     )
-    rows = Rows(numel, nf, zeros, mean, std, ordered[:, 0], picked[:, 0], quartiles, x)
+    rows = Rows(
+        numel, nf, zeros, mean, std, ordered[:, 0], picked[:, 0], quartiles, x, last_dim, ordered
+    )
     return fill(rows, layout, metrics)
 
 
@@ -146,11 +161,14 @@ def large_row_exact(
     x: torch.Tensor,
     layout: ProfileLayout = DEFAULT_LAYOUT,
     metrics: Mapping[str, TorchMetric] = METRICS,
+    last_dim: int | None = None,
 ) -> torch.Tensor:
-    """The profile row of a large 1-D float tensor, deciding on the host."""
+    """The profile row of a large 1-D float tensor, deciding on the host. ``last_dim``: the
+    last dimension of the tensor ``x`` flattens (row-major; default ``x.numel()``)."""
     f64 = torch.float64
     dev = x.device
     n = x.numel()
+    dims = _one(float(n if last_dim is None else last_dim), dev)
     nonzero = torch.count_nonzero(x)
     mn, mx = torch.aminmax(x)
     if math.isfinite(float(mn)) and math.isfinite(float(mx)):
@@ -164,7 +182,7 @@ def large_row_exact(
     if nf == 0:
         nan = _one(math.nan, dev)
         quartiles = torch.full((1, 3), math.nan, dtype=f64, device=dev)
-        rows = Rows(*counts, nan, nan, nan, nan, quartiles, x[None, :])
+        rows = Rows(*counts, nan, nan, nan, nan, quartiles, x[None, :], dims)
         return fill(rows, layout, metrics).reshape(-1)
     mean = sel.sum64(v) / nf
     std = torch.sqrt(sel.centered_sum_squares64(v, mean) / nf)
@@ -185,6 +203,7 @@ def large_row_exact(
         _one(mx, dev),
         quartiles.to(f64),
         x[None, :],
+        dims,
     )
     return fill(rows, layout, metrics).reshape(-1)
 
@@ -193,9 +212,11 @@ def large_row_optimistic(
     x: torch.Tensor,
     layout: ProfileLayout = DEFAULT_LAYOUT,
     metrics: Mapping[str, TorchMetric] = METRICS,
+    last_dim: int | None = None,
 ) -> torch.Tensor:
     """Device-only profile row of a large 1-D float tensor whose order statistics assume every
-    entry is finite (the plan checks the finite count after the transfer, redoes it if not)."""
+    entry is finite (the plan checks the finite count after the transfer, redoes it if not);
+    ``last_dim`` as for :func:`large_row_exact`."""
     f64 = torch.float64
     dev = x.device
     n = x.numel()
@@ -226,6 +247,7 @@ def large_row_optimistic(
         _one(mx, dev),
         torch.stack(quants).reshape(1, -1).to(f64),
         x[None, :],
+        _one(float(n if last_dim is None else last_dim), dev),
     )
     return fill(rows, layout, metrics).reshape(-1)
 

@@ -12,6 +12,7 @@ from ti_io.cli.options import machine_output, positive, sample_id
 from ti_io.cli.output import escaped, print_table, without_constant_context, write_machine
 from ti_io.cli.status import OK, UsageError
 from ti_io.read.compare import ComparedRun, compare_runs, compare_series, open_runs, unshared
+from ti_io.read.events import describe_event, event_records, read_events
 from ti_io.read.ordering import TENSOR_KEYS
 from ti_schema import SIGNALS
 
@@ -78,10 +79,13 @@ def _describe_runs(runs: list[ComparedRun], window: int) -> list[str]:
         contract = f"contract {run.contract_version}" if run.contract_version else "no rows yet"
         extra = len(set(run.samples) - set(shared))
         not_shared = f", {extra} samples the others lack (not compared)" if extra else ""
+        events = event_records(read_events(run.directory))
         lines.append(
             f"  {run.label:<{width}}  {run.directory} ({state}, {contract}, "
-            f"{len(run.samples)} samples{not_shared})"
+            f"{len(run.samples)} samples{not_shared}, {len(events)} event(s))"
         )
+        if events:
+            lines.append(f"  {'':<{width}}  first event: {describe_event(events[0])}")
     return lines
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ti_io.cli.options import positive, progress_flag
 from ti_io.cli.status import OK, REFUSED
 from ti_io.config import HistoryConfig
+from ti_io.damaged import gap_lines
 from ti_io.errors import FinalizationError, NothingToConsolidateError
 from ti_io.finish.consolidate import consolidate
 from ti_io.progress import TerminalProgress
@@ -31,6 +32,12 @@ def add_parser(commands: Commands) -> None:
         action="store_true",
         help="consolidate even if the process that wrote the run seems alive",
     )
+    finish.add_argument(
+        "--skip-damaged",
+        action="store_true",
+        help="move damaged parts into DIR/damaged/ (kept) and consolidate the rest; the gap "
+        "is recorded in index.md and `ti summary`",
+    )
     progress_flag(finish)
     # consolidate recognizes a 0.8.0 run itself, naming how to go on
     finish.set_defaults(run=run, paths=("dir",))
@@ -40,10 +47,18 @@ def run(args: argparse.Namespace) -> int:
     config = HistoryConfig(window=args.window) if args.window is not None else None
     try:
         with TerminalProgress("consolidating", "parts", enabled=args.progress) as progress:
-            done = consolidate(args.dir, history_config=config, force=args.force, progress=progress)
+            done = consolidate(
+                args.dir,
+                history_config=config,
+                force=args.force,
+                progress=progress,
+                skip_damaged=args.skip_damaged,
+            )
     except (NothingToConsolidateError, RuntimeError, FinalizationError) as exc:
         print(f"ti consolidate: {exc}", file=sys.stderr)
         return REFUSED
+    for line in gap_lines(done.skipped):
+        print(f"warning: {line}", file=sys.stderr)
     if done.already_done:
         print(f"{done.directory}: already consolidated ({done.history_rows} history rows)")
     elif done.resumed_from is not None:

@@ -11,8 +11,10 @@ import polars as pl
 from ti_io.cli.options import machine_output
 from ti_io.cli.output import escaped, print_table, without_constant_context, write_machine
 from ti_io.cli.status import OK
+from ti_io.damaged import gap_lines
 from ti_io.facts import read_run_facts
 from ti_io.finish.upgrade import upgraded_from
+from ti_io.read.events import describe_event, event_records, read_events
 from ti_io.read.ordering import TENSOR_KEYS
 from ti_io.read.summary import display_name, summary_table
 from ti_schema import SIGNALS
@@ -80,6 +82,18 @@ def _view(raw: pl.DataFrame) -> pl.DataFrame:
     return table
 
 
+def event_lines(directory: Path) -> list[str]:
+    """The events of the run, one line each (kind, forward, signal, first module, rank), with
+    a heading; nothing for a run without events."""
+    events = event_records(read_events(directory))
+    if not events:
+        return []
+    return [
+        f"{len(events)} event(s) (events.parquet; ti_io.read_events):",
+        *(f"  {describe_event(event)}" for event in events),
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
     raw = summary_table(directory, args.metric or [], args.signal or [], args.layer or [])
@@ -89,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
     table = _view(raw)
     live = not (directory / HISTORY_FILE).is_file()
     status = "live or unconsolidated (from history.parts)" if live else "finalized"
-    window = read_run_facts(directory).window
-    print(f"{directory}: {status}; recent_window_mean over the last window {window} samples")
+    facts = read_run_facts(directory)
+    print(f"{directory}: {status}; recent_window_mean over the last window {facts.window} samples")
+    for line in gap_lines(facts.skipped):  # a history with a hole is never read unknowingly
+        print(f"GAP: {line}")
     upgraded = upgraded_from(directory)
     if upgraded is not None:
         source, unrecorded = upgraded
@@ -98,5 +114,7 @@ def run(args: argparse.Namespace) -> int:
             f"upgraded from {source}, which did not record {', '.join(unrecorded) or 'nothing'}: "
             "those columns hold placeholders"
         )
+    for line in event_lines(directory):
+        print(line)
     print_table(table)
     return OK

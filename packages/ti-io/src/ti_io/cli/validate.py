@@ -1,4 +1,5 @@
-"""``ti validate DIR``: check every artifact against ti-schema; exit 1 listing mismatches."""
+"""``ti validate DIR``: find every damaged file and every mismatch with ti-schema; exit 1 listing
+them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ti_io.cli.status import OK, REFUSED
-from ti_io.finish.journal import interrupted_finalizations
-from ti_schema.artifacts import artifact_dir_problems
+from ti_io.finish.validation import validate_run
 
 if TYPE_CHECKING:
     from ti_io.cli.options import Commands
@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 def add_parser(commands: Commands) -> None:
     """Register ``ti validate`` with the subparsers of ``ti``."""
     validate = commands.add_parser(
-        "validate", help="check every artifact against ti-schema; exit 1 listing mismatches"
+        "validate",
+        help="verify every Parquet file (page checksums) and check every artifact against "
+        "ti-schema; exit 1 listing damaged files and mismatches",
     )
     validate.add_argument("dir", help="a run directory, or a directory of rank-NNN runs")
     validate.set_defaults(
@@ -30,17 +32,15 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     try:
         # Live and interrupted runs are checked as they stand: parts, catalog and index.md.
-        problems = [str(p) for p in artifact_dir_problems(root, allow_live=True)]
+        found = validate_run(root)
     except NotADirectoryError as exc:
         print(f"ti validate: {exc}", file=sys.stderr)
         return REFUSED
-    journal_problems, notes = interrupted_finalizations(root)
-    problems += journal_problems
-    for note in notes:
+    for note in found.notes:
         print(f"note: {note}", file=sys.stderr)
-    if problems:
-        print(f"{root}: {len(problems)} problem(s)")
-        for problem in problems:
+    if found.problems:
+        print(f"{root}: {len(found.problems)} problem(s)")
+        for problem in found.problems:
             print(f"  - {problem}")
         return REFUSED
     print("ok")

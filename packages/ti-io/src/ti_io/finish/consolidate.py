@@ -23,15 +23,26 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ti_io.config import HistoryConfig
+from ti_io.damaged import SkippedPart, find_damaged_parts, read_skipped, set_aside
 from ti_io.encoding import arrow_footer_metadata, dictionary_columns, dictionary_schema
 from ti_io.errors import FinalizationBusyError, FinalizationError, NothingToConsolidateError
 from ti_io.facts import RunFacts, read_run_facts
 from ti_io.finish.digest import HistoryDigest
+from ti_io.finish.events import write_events_file
 from ti_io.finish.index_md import write_index
 from ti_io.finish.journal import Resumption, finalize_run, read_journal, stopped
 from ti_io.finish.result_json import render, write_result_json
+from ti_io.integrity import (
+    DamagedFileError,
+    open_verified,
+    parquet_rows,
+    parquet_write_options,
+    read_error,
+    verify_parquet,
+)
 from ti_io.progress import ProgressCallback
 from ti_io.publishing import publish_with
+from ti_io.read.events import event_records
 from ti_io.read.legacy_layout import check_not_legacy
 from ti_schema import histogram_schema, history_schema
 from ti_schema.layout import (
@@ -61,15 +72,24 @@ class Consolidated:
     resumed_from: str | None = None
     """The journal state an interrupted finalization was resumed from (``"writing"``,
     ``"written"``), or None."""
+    skipped: tuple[SkippedPart, ...] = ()
+    """Damaged parts left out of the final files (kept in ``damaged/``; the run's record of
+    them, from this consolidation or an earlier one)."""
 
 
 def _read_part(path: Path, read_schema: pa.Schema) -> pa.Table:
     # ParquetFile.read: about half the CPU of pq.read_table for small files. String columns
     # are read as dictionaries: about half the CPU again, and they stay encoded up to the
     # Parquet dictionary pages.
+    # Every page is checked against its checksum: a damaged part raises DamagedFileError
+    # naming it instead of passing wrong numbers on into the final file.
     strings = [f.name for f in read_schema if pa.types.is_dictionary(f.type)]
-    with pq.ParquetFile(path, read_dictionary=strings) as source:
-        return source.read(use_threads=False).cast(read_schema)
+    with open_verified(path, read_dictionary=strings) as source:
+        try:
+            table = source.read(use_threads=False)
+        except (OSError, pa.ArrowException) as exc:
+            raise read_error(path, exc) from None
+    return table.cast(read_schema)
 
 
 def _read_row_group(
@@ -121,7 +141,7 @@ def _stream_parts(
             pq.ParquetWriter(
                 tmp,
                 read_schema.remove_metadata(),
-                compression=FINAL_COMPRESSION,
+                **parquet_write_options(FINAL_COMPRESSION),
                 use_dictionary=dictionary_columns(schema),
                 store_schema=False,  # the footer records ``schema`` instead (below)
             ) as writer,
@@ -180,6 +200,7 @@ def finalize(
     window: int | None = None,
     resumption: Resumption | None = None,
     progress: ProgressCallback | None = None,
+    skip_damaged: bool = False,
 ) -> Consolidated:
     """Finalize ``directory``: write the final artifacts from its parts, then retire the parts,
     resuming an interrupted finalization from the step its journal records
@@ -188,29 +209,39 @@ def finalize(
     ``facts``: the run's (``DirectorySink`` knows them); None reads them from the directory
     when the files must be written (``window`` overrides the run's). ``resumption``: the
     command an error message names to finish the run. ``progress(done, total)`` is told each
-    part read while the files are written.
+    part read while the files are written. ``skip_damaged``: verify every part first and move
+    the damaged ones into ``damaged/`` (:mod:`ti_io.damaged`) instead of stopping at them.
     """
 
     def write_files() -> tuple[int, int]:
         run = facts if facts is not None else read_run_facts(directory, window=window)
         return _write_final_files(directory, run, progress)
 
+    def set_damaged_aside() -> None:
+        set_aside(directory, find_damaged_parts(directory))
+
     with _collector_paused():
-        done = finalize_run(directory, write_files, resumption or Resumption(window=window))
+        done = finalize_run(
+            directory,
+            write_files,
+            resumption or Resumption(window=window, skip_damaged=skip_damaged),
+            set_damaged_aside if skip_damaged else None,
+        )
     return Consolidated(
         directory,
         done.history_rows,
         done.histogram_rows,
         done.parts,
         resumed_from=done.resumed_from.value if done.resumed_from is not None else None,
+        skipped=read_skipped(directory),
     )
 
 
 def _write_final_files(
     directory: Path, facts: RunFacts, progress: ProgressCallback | None = None
 ) -> tuple[int, int]:
-    """history.parquet, histograms.parquet, result.json and index.md from the parts (each
-    published atomically); returns the rows of the two Parquet files."""
+    """history.parquet, histograms.parquet, events.parquet, result.json and index.md from the
+    parts (each published atomically); returns the rows of history and histograms."""
     history_parts = list_parts(directory / HISTORY_PARTS)
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
     on_part = _part_counter(len(history_parts) + len(histogram_parts), progress)
@@ -233,11 +264,17 @@ def _write_final_files(
         histogram_parts, directory / HISTOGRAMS_FILE, histogram_schema(producer), None, on_part
     )
     pa.default_memory_pool().release_unused()
+    # Before result.json and index.md, which list the events; always written (maybe empty).
+    events = event_records(write_events_file(directory, producer, FINAL_COMPRESSION))
     text = render(
-        facts.layers, digest.aggregated(facts.window), window=facts.window, metrics=facts.metrics
+        facts.layers,
+        digest.aggregated(facts.window),
+        window=facts.window,
+        metrics=facts.metrics,
+        events=events,
     )
     write_result_json(directory / RESULT_FILE, text)
-    write_index(directory, facts, digest.facts(histogram_rows), live=False)
+    write_index(directory, facts, digest.facts(histogram_rows), live=False, events=events)
     return history_rows, histogram_rows
 
 
@@ -272,6 +309,7 @@ def consolidate(
     history_config: HistoryConfig | None = None,
     force: bool = False,
     progress: ProgressCallback | None = None,
+    skip_damaged: bool = False,
 ) -> Consolidated:
     """Finish an interrupted run: what removing the observer would have done.
 
@@ -283,7 +321,14 @@ def consolidate(
     ``history_config``: window for result.json (default: the run's own; used when the final
     files are written). ``force``: consolidate even though the process that wrote the run still
     seems alive (checked only before a finalization has started). ``progress(done, total)`` is
-    called as each part is read (the ``ti`` command draws it).
+    called as each part is read (the ``ti`` command draws it). ``skip_damaged``
+    (``--skip-damaged``): every part is verified first (page checksums, footer); each damaged
+    one is recorded in ``damaged/skipped.json`` and moved into ``damaged/`` (never deleted),
+    and the run is consolidated from the rest; ``Consolidated.skipped``, index.md and ``ti
+    summary`` name the gap. Without it a damaged part stops the consolidation before anything
+    changes (``DamagedPartsError``, naming the option). A finalized run is verified (every
+    page of its final files): a damaged one raises ``FinalizationError`` saying that its
+    parts are retired.
 
     Raises NothingToConsolidateError for a directory that holds no run,
     ``ti_io.LegacyRunError`` for one written by torchinstruments 0.8.0 (see ``ti_io.upgrade``),
@@ -302,8 +347,10 @@ def consolidate(
         raise NothingToConsolidateError(
             f"consolidate({str(directory)!r}): no such directory; pass the output_dir of a run"
         )
+    if not isinstance(skip_damaged, bool):
+        raise TypeError(f"consolidate(skip_damaged=...) takes True or False, got {skip_damaged!r}")
     window = history_config.window if history_config is not None else None
-    resumption = Resumption(force=force, window=window)
+    resumption = Resumption(force=force, window=window, skip_damaged=skip_damaged)
     try:
         check_not_legacy(directory, "consolidated")
         return _consolidate(directory, window, force, resumption, progress)
@@ -333,10 +380,7 @@ def _consolidate(
     has_parts = (directory / HISTORY_PARTS).is_dir() or (directory / HISTOGRAM_PARTS).is_dir()
     if journal is None and not has_parts:
         if (directory / HISTORY_FILE).is_file():
-            rows = pq.read_metadata(directory / HISTORY_FILE).num_rows
-            hist = directory / HISTOGRAMS_FILE
-            hist_rows = pq.read_metadata(hist).num_rows if hist.is_file() else 0
-            return Consolidated(directory, rows, hist_rows, 0, already_done=True)
+            return _already_done(directory)
         ranks = [child.name for _, child in list_rank_dirs(directory)]
         if ranks:
             raise NothingToConsolidateError(
@@ -365,4 +409,33 @@ def _consolidate(
                 "force=True (`ti consolidate --force`) if that process is not the writer any "
                 "more"
             )
-    return finalize(directory, window=window, resumption=resumption, progress=progress)
+    return finalize(
+        directory,
+        window=window,
+        resumption=resumption,
+        progress=progress,
+        skip_damaged=resumption.skip_damaged,
+    )
+
+
+def _already_done(directory: Path) -> Consolidated:
+    """A finalized run: its final files verified (every page), their rows."""
+    finals = [directory / HISTORY_FILE, directory / HISTOGRAMS_FILE]
+    try:
+        for final in finals:
+            if final.is_file():
+                verify_parquet(final)
+    except DamagedFileError as exc:
+        raise FinalizationError(
+            f"{directory} is finalized, but {exc}. Its parts were retired after "
+            "finalization, so nothing in the run can rebuild it; nothing was changed. "
+            "Restore the file from a copy of the run if one exists.",
+            directory=str(directory),
+            state=None,
+            command=None,
+        ) from None
+    rows = parquet_rows(finals[0])
+    hist_rows = parquet_rows(finals[1]) if finals[1].is_file() else 0
+    return Consolidated(
+        directory, rows, hist_rows, 0, already_done=True, skipped=read_skipped(directory)
+    )

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+from ti_io.damaged import DAMAGED_DIR, SKIPPED_FILE, gap_lines
 from ti_io.facts import RunFacts, started_at_text
 from ti_io.publishing import publish_text
 from ti_schema import (
     METRIC_DEFINITIONS,
+    PRECISION_FORMATS,
     SCHEMA_VERSION,
     SIGNAL_DEFINITIONS,
+    declared_metric,
+    events_schema,
     histogram_schema,
     history_schema,
 )
@@ -126,6 +130,8 @@ def _example_layers(facts: RunFacts, data: HistoryFacts | None) -> tuple[str, li
 def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> list[str]:
     layer, compare = _example_layers(facts, data)
     metric = "std" if "std" in facts.metrics or not facts.metrics else facts.metrics[0]
+    formats = [f for f in PRECISION_FORMATS if f"underflow_fraction.{f}" in facts.metrics]
+    fmt = formats[0] if formats else "float8_e4m3fn"
     run_dir = literal(str(directory))
     code = [
         "import json",
@@ -241,14 +247,171 @@ def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> lis
         "    .collect()",
         ")",
         "",
+        "# Low precision (recorded when the observer was given precision=(...); an empty",
+        "# frame otherwise): amax and dynamic range of each tensor, derived from min, max and",
+        "# min_abs_nonzero (amax = max(|min|, |max|), dynamic range = amax / min_abs_nonzero,",
+        f"# log2 of it in binades), beside what a cast to {fmt} would lose.",
+        "def value_of(metric):",
+        '    return pl.col("value").filter(pl.col("metric") == metric).first()',
+        "",
+        "",
+        "low_precision = (",
+        "    history.group_by(",
+        '        "layer", "call_index", "signal", "tensor_path", "sample_id", maintain_order=True',
+        "    )",
+        "    .agg(",
+        *(
+            f"        value_of({literal(name)}).alias({literal(alias)}),"
+            for name, alias in (
+                ("min", "min"),
+                ("max", "max"),
+                ("min_abs_nonzero", "min_abs_nonzero"),
+                (f"underflow_fraction.{fmt}", "underflow"),
+                (f"overflow_fraction.{fmt}", "overflow"),
+            )
+        ),
+        "    )",
+        '    .filter(pl.col("min_abs_nonzero").is_not_null())',
+        '    .with_columns(amax=pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()))',
+        "    .with_columns(",
+        '        dynamic_range=pl.col("amax") / pl.col("min_abs_nonzero"),',
+        '        binades=(pl.col("amax") / pl.col("min_abs_nonzero")).log(2),',
+        "    )",
+        '    .sort("layer", "call_index", "signal", "tensor_path", "sample_id")',
+        "    .collect()",
+        ")",
+        "",
         "# While the run is live (before removal), read the published parts instead:",
         "# from ti_io import scan_history; live = scan_history(RUN)",
     ]
     return _fence(code, "python")
 
 
-def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live: bool) -> str:
-    """The text of index.md."""
+EVENTS_LISTED: Final[int] = 20
+"""Events index.md describes one by one (with their queries); the rest are counted."""
+
+
+def _event_lines(index: int, event: Mapping[str, Any]) -> list[str]:
+    first, count = int(event["dense_first_forward"]), int(event["dense_forwards"])
+    head = f"#{index}  {event['kind']} at forward {event['forward_index']}"
+    if event.get("signal") is not None:
+        head += f"  signal {literal(str(event['signal']))}"
+    lines = [f"{head}  rank {event['rank']}  at {event['timestamp']}"]
+    if event.get("layer") is not None:
+        lines.append(
+            f"    first module: {literal(str(event['layer']))} "
+            f"(type {literal(str(event.get('module_type') or ''))}, tensor path "
+            f"{literal(str(event.get('tensor_path') or ''))})"
+        )
+        flagged = [literal(str(name)) for name in event.get("layers") or ()]
+        lines.append(f"    flagged, in execution order: [{', '.join(flagged)}]")
+    if event.get("reason") is not None:
+        lines.append(f"    reason: {literal(str(event['reason']))}")
+    if event.get("value") is not None:
+        lines.append(f"    value: {event['value']!r}")
+    dense = (
+        f"forwards {first} .. {first + count - 1} ({count} root forwards, sampled in full)"
+        if count > 0
+        else "none (the run ended first)"
+    )
+    lines.append(f"    dense capture: {dense}")
+    return lines
+
+
+def _event_queries(directory: Path, events: Sequence[Mapping[str, Any]]) -> list[str]:
+    code = [
+        "import polars as pl",
+        "from pathlib import Path",
+        "",
+        f"RUN = Path({literal(str(directory))})  # this directory; change it if the run was moved",
+        'history = pl.scan_parquet(RUN / "history.parquet")',
+        'events = pl.read_parquet(RUN / "events.parquet")  # every event, one row each',
+    ]
+    for index, event in enumerate(events[:EVENTS_LISTED]):
+        first, count = int(event["dense_first_forward"]), int(event["dense_forwards"])
+        code += [
+            "",
+            f"# Event #{index} ({event['kind']} at forward {event['forward_index']}): the history "
+            "rows of its dense capture.",
+            f"dense_{index} = (",
+            "    history.filter(",
+            f'        (pl.col("rank") == {int(event["rank"])})',
+            f'        & pl.col("forward_index").is_between({first}, {first + count - 1})',
+            "    )",
+            '    .sort("sample_id", "layer", "call_index", "signal", "tensor_path", "metric")',
+            "    .collect()",
+            ")",
+        ]
+        if event.get("layer") is not None:
+            code += [
+                "# ... and the non-finite fraction of the first flagged module around it.",
+                f"first_module_{index} = (",
+                "    history.filter(",
+                f'        (pl.col("rank") == {int(event["rank"])})',
+                f'        & (pl.col("layer") == {literal(str(event["layer"]))})',
+                '        & (pl.col("metric") == "nonfinite_fraction")',
+                "    )",
+                '    .select("forward_index", "sample_id", "signal", "tensor_path", "value")',
+                '    .sort("sample_id")',
+                "    .collect()",
+                ")",
+            ]
+    return _fence(code, "python")
+
+
+def _events_section(
+    directory: Path, events: Sequence[Mapping[str, Any]] | None, *, live: bool
+) -> list[str]:
+    """The events, first thing after the status: what happened, where, and the queries for
+    the dense samples each set off."""
+    lines = ["## Events", ""]
+    if live or events is None:
+        return [
+            *lines,
+            "Events (a NaN or infinity first seen, a capture asked for, a loss spike) are "
+            "published at once, one part each, in `events.parts/`; read them with "
+            "`ti_io.read_events(DIR)`. Finalizing lists them here.",
+            "",
+        ]
+    if not events:
+        return [
+            *lines,
+            "None: no non-finite value was seen, no capture was asked for and no loss spike "
+            "was reported (`events.parquet` is an empty table).",
+            "",
+        ]
+    shown = events[:EVENTS_LISTED]
+    more = len(events) - len(shown)
+    lines += [
+        f"{len(events)} event(s), in the order they happened (`events.parquet`, one row each; "
+        "`ti.events` columns below). Each set off a dense capture: the root forwards from "
+        "`dense_first_forward` on were all sampled; their history rows are those with "
+        "`forward_index` in that range on the event's rank."
+        + (
+            f" The first {len(shown)} are listed; {more} more are in `events.parquet`."
+            if more
+            else ""
+        ),
+        "",
+    ]
+    block: list[str] = []
+    for index, event in enumerate(shown):
+        block += _event_lines(index, event)
+    lines += _fence(block)
+    lines += ["Their dense samples (Python, Polars):", "", *_event_queries(directory, events)]
+    return lines
+
+
+def render(
+    directory: Path,
+    facts: RunFacts,
+    data: HistoryFacts | None,
+    *,
+    live: bool,
+    events: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    """The text of index.md (``events``: :func:`ti_io.read.events.event_records` of the run,
+    listed first; None for a live run)."""
     lines = [
         "# TorchInstruments run",
         "",
@@ -270,12 +433,22 @@ def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live:
         ]
     else:
         lines += ["**Status: finalized.**", ""]
+    if facts.skipped:
+        headline, *entries = gap_lines(facts.skipped)
+        lines += [
+            f"**Gap: {md_escape(headline)}.** The history has a hole where their rows were; "
+            f"every other row is there. The files kept in `{DAMAGED_DIR}/` are listed in "
+            f"`{DAMAGED_DIR}/{SKIPPED_FILE}`:",
+            "",
+            *_fence([literal(entry) for entry in entries]),
+        ]
+    lines += _events_section(directory, events, live=live)
     window = facts.window
     facts_block = [
         f"run_id:        {literal(facts.run_id or 'unknown')}",
         f"rank:          {facts.rank} of world size {facts.world_size}",
         f"producer:      {literal(facts.producer or 'unknown')}",
-        f"schema:        ti.history / ti.histograms version {SCHEMA_VERSION}",
+        f"schema:        ti.history / ti.histograms / ti.events version {SCHEMA_VERSION}",
         f"started_at:    {literal(started_at_text(facts.started_at))}",
         f"sampler:       {literal(facts.sampler or 'unknown')}",
         f"window:        {window} samples (result.json window means)",
@@ -312,8 +485,15 @@ def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live:
         "signal and tensor path (`{layer}/call{call_index}/{signal}{tensor_path}`, a "
         "parameter's name joined with a dot, `fc/call0/parameter.weight`; unsafe "
         "characters percent-encoded, the root module as `%root`), step = `sample_id`.",
-        "- `history.parts/`, `histograms.parts/`: completed Parquet chunks while the run is "
-        "live; removed once consolidated.",
+        "- `events.parquet`: the events of the run (`ti.events`, one row each; empty when there "
+        "were none), listed above.",
+        "- `history.parts/`, `histograms.parts/`, `events.parts/`: completed Parquet chunks "
+        "while the run is live (an event is published at once, as a part of its own); removed "
+        "once consolidated.",
+        "",
+        "Every Parquet file carries page checksums, which ti's readers verify. Polars and DuckDB "
+        "do not verify them: run `ti validate DIR` before reading the files with them (it names "
+        "every damaged file).",
         "",
         "Names of modules are arbitrary strings. In this file they appear only in code blocks, "
         "as JSON string literals (also valid Python literals).",
@@ -353,13 +533,15 @@ def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live:
             for f in hist_only
         ),
         "",
+        *_columns_table("ti.events", events_schema()),
         "Metrics (values of the `metric` column):",
         "",
         "| metric | definition |",
         "|---|---|",
     ]
     for metric in facts.metrics or tuple(METRIC_DEFINITIONS):
-        definition = METRIC_DEFINITIONS.get(metric, "custom reducer (defined by the producer)")
+        spec = declared_metric(metric)
+        definition = spec.definition if spec else "custom reducer (defined by the producer)"
         lines.append(f"| {md_escape(metric)} | {md_escape(definition)} |")
     lines += [
         "",
@@ -408,6 +590,16 @@ def render(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live:
     return "\n".join(lines)
 
 
-def write_index(directory: Path, facts: RunFacts, data: HistoryFacts | None, *, live: bool) -> None:
+def write_index(
+    directory: Path,
+    facts: RunFacts,
+    data: HistoryFacts | None,
+    *,
+    live: bool,
+    events: Sequence[Mapping[str, Any]] | None = None,
+) -> None:
     """Publish index.md atomically."""
-    publish_text(directory / "index.md", render(directory.resolve(), facts, data, live=live))
+    publish_text(
+        directory / "index.md",
+        render(directory.resolve(), facts, data, live=live, events=events),
+    )

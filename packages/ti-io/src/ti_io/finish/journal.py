@@ -28,6 +28,17 @@ live or interrupted     no journal; ``history.parts/`` and ``histograms.parts/``
 finalized               no journal, no parts: the final files are the run.
 ======================  =========================================================================
 
+``events.parquet`` is written from ``events.parts/`` in ``writing`` with the other files
+(before result.json and index.md, which list the events); in ``written`` it must hold every row
+of the event parts left, and ``events.parts/`` is retired with the others.
+
+Damaged parts (:mod:`ti_io.integrity`): a part whose footer or pages fail verification stops
+the finalization with :class:`~ti_io.errors.DamagedPartsError` naming ``--skip-damaged``; a
+journal this finalization published is removed first, so the run is left as it was found. With
+``--skip-damaged`` the damaged parts are set aside (:mod:`ti_io.damaged`: recorded, then moved
+into ``damaged/``) under the lock, while the parts are the source of truth (no journal, or
+``writing``), before anything is counted or written.
+
 Every transition is published as the other files are (temporary file, fsync, rename, fsync of
 the directory), after the work of its step is durable. Parts are retired only in ``written``,
 so a history is never rebuilt from fewer parts than it was written from, and a final Parquet
@@ -54,12 +65,17 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Final
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from ti_io.errors import FinalizationBusyError, FinalizationError, ShrinkRefusedError
+from ti_io.errors import (
+    DamagedPartsError,
+    FinalizationBusyError,
+    FinalizationError,
+    ShrinkRefusedError,
+)
+from ti_io.integrity import DamagedFileError, parquet_rows
 from ti_io.publishing import fsync_dir, publish_text, remove_stale_temporaries, temp_path
 from ti_schema.layout import (
+    EVENT_PARTS,
+    EVENTS_FILE,
     HISTOGRAM_PARTS,
     HISTOGRAMS_FILE,
     HISTORY_FILE,
@@ -78,6 +94,7 @@ JOURNAL_VERSION: Final[int] = 1
 _PAIRS: Final[tuple[tuple[str, str], ...]] = (
     (HISTORY_FILE, HISTORY_PARTS),
     (HISTOGRAMS_FILE, HISTOGRAM_PARTS),
+    (EVENTS_FILE, EVENT_PARTS),
 )
 """Each final Parquet file and the parts it is written from."""
 
@@ -210,18 +227,31 @@ class Resumption:
     exists, since ``consolidate`` skips the live-writer check once one does."""
     window: int | None = None
     """``--window N`` given to this finalization, repeated so a resumption writes the same."""
+    skip_damaged: bool = False
+    """``--skip-damaged``: damaged parts were set aside (``damaged/``) by this finalization."""
 
     def command(self, directory: Path, journal: Journal | None) -> str:
         words = ["ti", "consolidate"]
         if self.force and journal is None:
             words.append("--force")
+        if self.skip_damaged:
+            words.append("--skip-damaged")
         if self.window is not None:
             words += ["--window", str(self.window)]
         return shlex.join([*words, str(directory)])
 
 
-def finalize_run(directory: Path, write_files: WriteFiles, resumption: Resumption) -> Finalized:
+def finalize_run(
+    directory: Path,
+    write_files: WriteFiles,
+    resumption: Resumption,
+    before_writing: Callable[[], None] | None = None,
+) -> Finalized:
     """Finalize the run in ``directory`` from whatever state it is in (module docstring).
+
+    ``before_writing``: run under the finalization lock while the parts are still the source
+    of truth (no journal, or ``writing``), before they are counted (``--skip-damaged`` sets
+    damaged parts aside there).
 
     Raises FinalizationBusyError when another process holds the run's finalization lock,
     ShrinkRefusedError when a finished file would shrink or a retirement would lose rows, and
@@ -231,7 +261,7 @@ def finalize_run(directory: Path, write_files: WriteFiles, resumption: Resumptio
     finalization = _Finalization(directory)
     try:
         with _exclusive(directory):
-            return finalization.run(write_files)
+            return finalization.run(write_files, before_writing)
     except (FinalizationError, FinalizationBusyError):
         raise
     except Exception as exc:  # every other failure: say where things stand, how to go on
@@ -245,12 +275,19 @@ class _Finalization:
         self.directory = directory
         self.doing = "taking the finalization lock"
 
-    def run(self, write_files: WriteFiles) -> Finalized:
+    def run(
+        self, write_files: WriteFiles, before_writing: Callable[[], None] | None = None
+    ) -> Finalized:
         directory = self.directory
         self.doing = f"reading the finalization journal ({JOURNAL_FILE})"
         journal = read_journal(directory)
         resumed_from = journal.state if journal is not None else None
         parts = 0
+        if before_writing is not None and (
+            journal is None or journal.state is FinalizationState.WRITING
+        ):
+            self.doing = "verifying the parts and setting the damaged ones aside (damaged/)"
+            before_writing()
         if journal is None:
             self.doing = "checking for a finalization an earlier ti-io left unfinished"
             journal = _finished_before_journals(directory)
@@ -272,7 +309,13 @@ class _Finalization:
             self.doing = (
                 f"writing {HISTORY_FILE}, {HISTOGRAMS_FILE}, {RESULT_FILE} and {INDEX_FILE}"
             )
-            history_rows, histogram_rows = write_files()
+            try:
+                history_rows, histogram_rows = write_files()
+            except DamagedFileError:
+                if resumed_from is None:  # this finalization started it: leave the run as found
+                    os.remove(directory / JOURNAL_FILE)
+                    fsync_dir(directory)
+                raise
             self.doing = f"recording that the final files are written ({JOURNAL_FILE})"
             journal = _publish(directory, FinalizationState.WRITTEN, history_rows, histogram_rows)
         self.doing = "checking the final files before retiring the parts"
@@ -297,7 +340,7 @@ def _publish(
 
 
 def _rows(path: Path) -> int:
-    return int(pq.read_metadata(path).num_rows)
+    return parquet_rows(path)  # DamagedFileError naming the file when its footer is damaged
 
 
 def _finished_before_journals(directory: Path) -> Journal | None:
@@ -345,8 +388,8 @@ def _refuse_to_shrink(directory: Path) -> int:
             continue
         try:
             kept = _rows(final)
-        except pa.ArrowInvalid:
-            continue  # not a Parquet file (never published by us): nothing finished to keep
+        except DamagedFileError:
+            continue  # not a whole Parquet file: nothing finished to keep; rewritten from parts
         available = sum(_rows(p) for p in found)
         if available < kept:
             raise _refusal(
@@ -377,6 +420,19 @@ def _check_written(directory: Path, journal: Journal) -> tuple[int, int]:
                 f"the parts that remain are kept ({JOURNAL_FILE} records the step)",
             )
         held_rows.append(held)
+    events_held = sum(_rows(p) for p in list_parts(directory / EVENT_PARTS))
+    if events_held:
+        # events.parquet is written with the other files (``writing``); the journal of an
+        # earlier ti-io has no count for it, so its parts left must all be in it.
+        path = directory / EVENTS_FILE
+        held = _rows(path) if path.is_file() else None
+        if held is None or held < events_held:
+            raise _refusal(
+                directory,
+                f"{EVENT_PARTS}/ holds {events_held} event rows, which {EVENTS_FILE} "
+                f"{'holds only ' + str(held) + ' of' if held is not None else 'is missing for'}; "
+                f"the parts that remain are kept ({JOURNAL_FILE} records the step)",
+            )
     for name in (RESULT_FILE, INDEX_FILE):
         if not (directory / name).is_file():
             raise _refusal(
@@ -391,7 +447,7 @@ def _retire_parts(directory: Path) -> None:
     """Rename each parts directory away at once (a reader or a crash never sees a half-emptied
     ``*.parts/``), then remove them and any retired earlier."""
     retired = False
-    for name in (HISTORY_PARTS, HISTOGRAM_PARTS):
+    for name in (HISTORY_PARTS, HISTOGRAM_PARTS, EVENT_PARTS):
         path = directory / name
         if path.is_dir():
             os.replace(path, temp_path(path))
@@ -470,6 +526,8 @@ def stopped(
             cause_errno=errno,
         )
     journal, readable = _journal_or_none(directory)
+    if isinstance(cause, DamagedFileError):
+        return _damaged(directory, doing, cause, resumption, journal if readable else None)
     if journal is None:
         finished = not any((directory / name).exists() for name in (HISTORY_PARTS, JOURNAL_FILE))
         if readable and finished and (directory / HISTORY_FILE).is_file():
@@ -497,4 +555,36 @@ def stopped(
         state=journal.state.value if journal is not None else None,
         command=command,
         cause_errno=errno,
+    )
+
+
+def _damaged(
+    directory: Path,
+    doing: str,
+    cause: DamagedFileError,
+    resumption: Resumption,
+    journal: Journal | None,
+) -> FinalizationError:
+    """The error for a finalization that met a damaged file: what is damaged, that nothing
+    was changed, and (for a part) the option that finishes around it."""
+    state = journal.state.value if journal is not None else None
+    if cause.path.parent.name.endswith(".parts"):
+        skip = Resumption(resumption.force, resumption.window, skip_damaged=True)
+        command = skip.command(directory, journal)
+        return DamagedPartsError(
+            f"finalizing {directory} stopped while {doing}: {cause}. Nothing was changed: "
+            f"every part is still where it was. To finish without the damaged parts, run "
+            f"`{command}` (Python: consolidate(..., skip_damaged=True)): it moves each damaged "
+            "part into damaged/ (kept, never deleted), consolidates the rest and records the "
+            "gap in index.md and `ti summary`.",
+            directory=str(directory),
+            state=state,
+            command=command,
+        )
+    return FinalizationError(
+        f"finalizing {directory} stopped while {doing}: {cause}. The parts that remain are "
+        "kept; no file was replaced by it.",
+        directory=str(directory),
+        state=state,
+        command=None,
     )

@@ -2,7 +2,9 @@
 
 One record per line for every catalog layer in catalog order (executed or not), then any layer
 that only the history names, each with its tensors and per-metric statistics
-(:mod:`ti_io.finish.statistics`, computed by :mod:`ti_io.read.aggregates`). The sink publishes
+(:mod:`ti_io.finish.statistics`, computed by :mod:`ti_io.read.aggregates`). A layer that was the
+first flagged module of a ``nonfinite`` event also gets ``events`` (contract 1.3, optional): those
+events, in the order they happened (every event of the run is in events.parquet). The sink publishes
 the catalog's records with empty tensors at open, so this module imports Polars only when there
 are aggregates to render.
 """
@@ -10,9 +12,9 @@ are aggregates to render.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ti_io.facts import LayerLike
 from ti_io.publishing import publish_text
@@ -29,10 +31,13 @@ def render(
     *,
     window: int,
     metrics: Sequence[str] = (),
+    events: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """result.json's text: one record per line for every catalog layer in catalog order
     (executed or not), then any layer that only the history names, each with its tensors and
-    per-metric statistics (``metrics``: the run's, in order).
+    per-metric statistics (``metrics``: the run's, in order). ``events``
+    (:func:`ti_io.read.events.event_records`) go under the record of their first flagged
+    module (``layer``); events without one (manual, loss) are not repeated here.
 
     The 18,000 statistics objects of a 1,000-layer model are formatted from columns (one C
     encoder call per aggregate column, then one string template per object) rather than
@@ -42,6 +47,13 @@ def render(
     for info in catalog:
         if info.name not in heads:
             heads[info.name] = (info.module_type, list(info.aliases))
+    by_layer: dict[str, list[str]] = {}
+    for event in events:
+        layer = event.get("layer")
+        if isinstance(layer, str):
+            by_layer.setdefault(layer, []).append(_ENCODE(dict(event)))
+            if layer not in heads:
+                heads[layer] = (str(event.get("module_type") or ""), [])
     tensors: dict[str, list[str]] = {name: [] for name in heads}
     if aggregated is not None and aggregated.height:
         from ti_io.finish.statistics import finish_statistics, tensor_objects
@@ -54,7 +66,9 @@ def render(
         _ENCODE({"layer": name, "type": module_type, "aliases": aliases})[:-1]
         + ', "tensors": ['
         + ", ".join(tensors[name])
-        + "]}"
+        + "]"
+        + (', "events": [' + ", ".join(by_layer[name]) + "]" if name in by_layer else "")
+        + "}"
         for name, (module_type, aliases) in heads.items()
     ]
     if not lines:

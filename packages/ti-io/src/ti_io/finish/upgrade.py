@@ -36,8 +36,10 @@ import pyarrow.parquet as pq
 from ti_io.facts import CatalogLayer, RunFacts
 from ti_io.finish.consolidate import FINAL_COMPRESSION, ROW_GROUP_ROWS
 from ti_io.finish.digest import HistoryDigest
+from ti_io.finish.events import write_events_table
 from ti_io.finish.index_md import render as render_index
 from ti_io.finish.result_json import render
+from ti_io.integrity import open_verified, parquet_write_options, read_error
 from ti_io.progress import ProgressCallback
 from ti_io.publishing import fsync_dir, publish_text, temp_path
 from ti_io.read.legacy_layout import (
@@ -46,8 +48,9 @@ from ti_io.read.legacy_layout import (
     legacy_run_reason,
     rank_dirs,
 )
-from ti_schema import DEFAULT_METRICS, METADATA_KEY, PLACEHOLDERS, history_schema
+from ti_schema import DEFAULT_METRICS, METADATA_KEY, PLACEHOLDERS, empty_events, history_schema
 from ti_schema.layout import (
+    EVENTS_FILE,
     HISTORY_FILE,
     HISTORY_PARTS,
     INDEX_FILE,
@@ -197,7 +200,7 @@ def _run_id(files: list[Path]) -> str:
 def _read_tables(files: list[Path], columns: list[str] | None = None) -> Iterator[pa.Table]:
     for path in files:
         try:
-            source = pq.ParquetFile(path)
+            source = open_verified(path)
         except Exception as exc:
             raise UpgradeError(
                 f"upgrade: cannot read {path} as Parquet ({exc}); nothing was written"
@@ -209,7 +212,12 @@ def _read_tables(files: list[Path], columns: list[str] | None = None) -> Iterato
                     f"({', '.join(LEGACY_COLUMNS)}); nothing was written"
                 )
             for group in range(source.num_row_groups):
-                table = source.read_row_group(group, columns=columns)
+                try:
+                    table = source.read_row_group(group, columns=columns)
+                except (OSError, pa.ArrowException) as exc:
+                    raise UpgradeError(
+                        f"upgrade: {read_error(path, exc)}; nothing was written"
+                    ) from None
                 if table.num_rows:
                     yield table
 
@@ -292,7 +300,9 @@ def _upgrade_run(
     rows = 0
     seen_metrics: set[str] = set()
     build.mkdir(parents=True)
-    with pq.ParquetWriter(build / HISTORY_FILE, schema, compression=FINAL_COMPRESSION) as writer:
+    with pq.ParquetWriter(
+        build / HISTORY_FILE, schema, **parquet_write_options(FINAL_COMPRESSION)
+    ) as writer:
         for table in _read_tables(files):
             converted = _convert(table, schema, run_id=run_id, rank=rank_value, types=types)
             writer.write_table(converted, row_group_size=ROW_GROUP_ROWS)
@@ -300,6 +310,8 @@ def _upgrade_run(
             seen_metrics |= set(pc.unique(converted.column("metric")).to_pylist())
             rows += converted.num_rows
             on_rows(converted.num_rows)
+    # torchinstruments 0.8.0 recorded no events: the table of the current contract, empty.
+    write_events_table(build / EVENTS_FILE, empty_events(producer), FINAL_COMPRESSION)
     metrics = [m for m in DEFAULT_METRICS if m in seen_metrics or not seen_metrics]
     metrics += sorted(seen_metrics - set(metrics))
     facts = RunFacts(
@@ -321,7 +333,7 @@ def _upgrade_run(
     )
     text = render(old.catalog, digest.aggregated(old.window), window=old.window, metrics=metrics)
     publish_text(build / RESULT_FILE, text)
-    index = render_index(final.resolve(), facts, digest.facts(None), live=False)
+    index = render_index(final.resolve(), facts, digest.facts(None), live=False, events=[])
     publish_text(build / INDEX_FILE, index)
     if (source / TENSORBOARD_DIR).is_dir():
         shutil.copytree(source / TENSORBOARD_DIR, build / TENSORBOARD_DIR)

@@ -25,14 +25,21 @@ from ti_io.finish.index_md import write_index
 from ti_io.finish.journal import Resumption
 from ti_io.finish.result_json import render, write_result_json
 from ti_io.publishing import present_artifacts, remove_run_artifacts
+from ti_io.write.event_parts import EventPartWriter
 from ti_io.write.parts import Lost, PartWriter, WriteFailure
 from ti_io.write.tensorboard_sink import EventFileHistograms
-from ti_schema import histogram_schema, history_schema
-from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, RESULT_FILE, TENSORBOARD_DIR
+from ti_schema import events_schema, histogram_schema, history_schema
+from ti_schema.layout import (
+    EVENT_PARTS,
+    HISTOGRAM_PARTS,
+    HISTORY_PARTS,
+    RESULT_FILE,
+    TENSORBOARD_DIR,
+)
 from ti_schema.sink import Barrier, RunInfo, SinkCapabilities
 
 _STRING: Final[pa.DataType] = pa.string()
-_Method = Literal["write_history", "write_histograms", "flush"]
+_Method = Literal["write_history", "write_histograms", "write_events", "flush"]
 """The sink methods that need an open sink (named in their errors)."""
 
 
@@ -129,6 +136,7 @@ class DirectorySink:
         self._directory: Path | None = None
         self._facts: RunFacts | None = None
         self._writer: PartWriter | None = None
+        self._event_writer: EventPartWriter | None = None
         self._history_schema: pa.Schema | None = None
         self._histogram_schema: pa.Schema | None = None
         self._closed = False
@@ -153,9 +161,13 @@ class DirectorySink:
     def capabilities(self) -> SinkCapabilities:
         """Writes may come from the observer's emission worker (they only buffer under a lock);
         ``flush`` and the exit flush wait for the signals it has queued (``attach_barrier``);
-        the observer calls ``flush`` when the process is about to end (SIGTERM, exit)."""
+        the observer calls ``flush`` when the process is about to end (SIGTERM, exit); events
+        go to :meth:`write_events`, which publishes each at once."""
         return SinkCapabilities(
-            background_writes=True, on_barrier=self.attach_barrier, flush=self.flush
+            background_writes=True,
+            on_barrier=self.attach_barrier,
+            flush=self.flush,
+            write_events=self.write_events,
         )
 
     def attach_barrier(self, barrier: Barrier) -> None:
@@ -191,6 +203,7 @@ class DirectorySink:
         try:
             (directory / HISTORY_PARTS).mkdir()
             (directory / HISTOGRAM_PARTS).mkdir()
+            (directory / EVENT_PARTS).mkdir()
             write_run_file(directory, facts)
             write_result_json(
                 directory / RESULT_FILE,
@@ -212,6 +225,7 @@ class DirectorySink:
             delay=self.history_config.flush_seconds,
             events=events,
         )
+        self._event_writer = EventPartWriter(directory, events_schema(run.producer))
         self._directory = directory
         self._facts = facts
         self._pid = os.getpid()
@@ -238,6 +252,23 @@ class DirectorySink:
         _check_schema(batch, self._histogram_schema, "write_histograms")
         if batch.num_rows:
             writer.add("histograms", batch)
+        self._raise_failures(writer)
+
+    def write_events(self, batch: pa.RecordBatch) -> None:
+        """Publish ``batch`` (``ti.events`` rows, ``ti_schema.events_schema()``) at once as its
+        own part ``events.parts/part-NNNNNN.parquet``, durably, before returning: an event is
+        rare and urgent, and the process may be killed right after it. Also asks the writer to
+        publish the buffered history now (without waiting for it), so the rows leading up to
+        the event do not wait for ``flush_seconds`` either.
+
+        Raises ValueError/TypeError for a batch that breaks the contract (nothing written),
+        ArtifactWriteError when the part cannot be published.
+        """
+        writer = self._require_open("write_events")
+        assert self._event_writer is not None
+        self._event_writer.write(batch)
+        if batch.num_rows:
+            writer.publish_soon()
         self._raise_failures(writer)
 
     def flush(self) -> None:

@@ -47,6 +47,7 @@ from ti_io.encoding import (
     plain_schema,
 )
 from ti_io.errors import ArtifactWriteError
+from ti_io.integrity import parquet_write_options
 from ti_io.publishing import publish_with
 from ti_io.write.tensorboard_sink import EventFileHistograms
 from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, part_name
@@ -150,7 +151,7 @@ def write_parquet(path: Path, table: pa.Table) -> None:
         with pq.ParquetWriter(
             tmp,
             table.schema.remove_metadata(),
-            compression=PART_COMPRESSION,
+            **parquet_write_options(PART_COMPRESSION),
             use_dictionary=dictionary_columns(table.schema),
             write_statistics=False,
             store_schema=False,  # the footer records the plain schema instead (below)
@@ -256,6 +257,13 @@ class PartWriter:
             while self._served < ticket:
                 self._require_thread()
                 self._cond.wait(_LIVENESS_S)
+
+    def publish_soon(self) -> None:
+        """Ask the writer to publish everything buffered now, without waiting for it (an event
+        arrived: the rows before it should not wait for the clock)."""
+        with self._cond:
+            self._requested += 1
+            self._cond.notify_all()
 
     def wait_idle(self) -> None:
         """Block until the writer has published everything that is due now (not what is still

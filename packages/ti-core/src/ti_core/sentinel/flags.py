@@ -1,0 +1,201 @@
+"""Non-finite flags accumulated on the tensors' own devices and read once per check.
+
+A :class:`Flags` collects, for one root forward's outputs (or for the gradients one backward
+delivered to it), one or two 0-d tensors per checked tensor (:func:`flag_values`), on the
+tensor's device, with no host synchronization: they are all finite exactly when the tensor
+is, so the check is exact and cannot overflow. :meth:`Flags.read` stacks the values per
+device and reads one flag per device; only when a flag is set does it read which fired.
+
+On an accelerator the read is asynchronous (:class:`PendingRead`): the flag is copied to the
+host behind a CUDA event, and the caller acts on it at the next check, one root forward later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from math import isfinite
+from typing import Final
+
+import torch
+from torch import Tensor
+
+from ti_core.capture.paths import tensor_leaves
+
+_CHECKED: Final[frozenset[torch.dtype]] = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
+_COMPLEX: Final[frozenset[torch.dtype]] = frozenset(
+    {torch.complex32, torch.complex64, torch.complex128}
+)
+_DOT: Final[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float64})
+_STRIDED: Final = torch.strided
+DOT_LIMIT: Final[int] = 1 << 20
+"""Largest CPU tensor checked by a dot product with zeros (the zeros are kept, one buffer of
+at most this many entries per dtype); larger ones by ``aminmax``, whose cost their own
+kernel time dwarfs."""
+_zeros: dict[torch.dtype, Tensor] = {}
+_zero_views: dict[tuple[torch.dtype, int], Tensor] = {}
+"""The zeros for each (dtype, size) met lately: slicing costs as much as a small kernel."""
+_VIEWS: Final = 256
+
+Flagged = list[tuple[int, str]]
+"""``(layer, tensor_path)`` of every flagged tensor, in the order they were checked."""
+
+
+def _zero_vector(dtype: torch.dtype, numel: int) -> Tensor:
+    view = _zero_views.get((dtype, numel))
+    if view is not None:
+        return view
+    zeros = _zeros.get(dtype)
+    if zeros is None or zeros.numel() < numel:
+        zeros = _zeros[dtype] = torch.zeros(max(numel, 4096), dtype=dtype)
+    if len(_zero_views) >= _VIEWS:
+        _zero_views.clear()
+    view = _zero_views[(dtype, numel)] = zeros[:numel]
+    return view
+
+
+def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
+    """0-d tensors on ``tensor``'s device, all finite exactly when every entry of ``tensor``
+    is; empty when it cannot hold a non-finite value (integers, booleans, no entries) or is
+    not a plain dense tensor.
+
+    A contiguous float32/float64 CPU tensor of up to :data:`DOT_LIMIT` entries gives one value,
+    ``x . 0`` (every product of a finite entry with 0 is 0; of an infinity or NaN, NaN): one
+    BLAS kernel, about a third of ``aminmax``'s time. Others give ``aminmax``'s two (NaN
+    propagates to both, +inf is the max, -inf the min). Neither can overflow.
+    """
+    dtype = tensor.dtype
+    if tensor.layout is not _STRIDED:
+        return ()
+    numel = tensor.numel()
+    if not numel:
+        return ()
+    if tensor.is_cpu and dtype in _DOT and numel <= DOT_LIMIT and tensor.is_contiguous():
+        # ``.data``: a detached alias without the cost of ``detach()``'s autograd bookkeeping
+        return (torch.dot(tensor.data.view(-1), _zero_vector(dtype, numel)),)
+    values = tensor.detach()
+    if dtype in _CHECKED:
+        pass
+    elif dtype in _COMPLEX:
+        values = torch.view_as_real(values)
+    elif dtype.is_floating_point:  # float8 and other narrow formats: no aminmax kernel
+        values = values.to(torch.float32)
+    else:
+        return ()
+    return tuple(torch.aminmax(values))
+
+
+class Flags:
+    """The flags of one check (a root forward's outputs, or one backward's gradients)."""
+
+    __slots__ = ("accelerated", "entries", "owners", "values")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, str]] = []
+        self.values: list[Tensor] = []
+        self.owners: list[int] = []
+        """The entry each value belongs to."""
+        self.accelerated = False
+        """Whether any value lives off the CPU (then :meth:`read` is asynchronous)."""
+
+    def add(self, layer: int, path: str, tensor: Tensor) -> None:
+        """Check one tensor (queued on its device; nothing is read here)."""
+        found = flag_values(tensor)
+        if found:
+            entry = len(self.entries)
+            self.entries.append((layer, path))
+            for value in found:
+                self.values.append(value)
+                self.owners.append(entry)
+            if not tensor.is_cpu:
+                self.accelerated = True
+
+    def add_output(self, layer: int, output: object) -> None:
+        """Check every tensor of a module's output, with its ``tensor_path``."""
+        for path, tensor in tensor_leaves(output):
+            self.add(layer, path, tensor)
+
+    def add_values(self, layer: int, path: str, values: Sequence[Tensor]) -> None:
+        """Flag values already computed (by a compiled graph) for one tensor."""
+        entry = len(self.entries)
+        self.entries.append((layer, path))
+        self.values.extend(values)
+        self.owners.extend([entry] * len(values))
+        if any(not value.is_cpu for value in values):
+            self.accelerated = True
+
+    def read(self) -> Flagged | PendingRead:
+        """The flagged entries (an empty list: clean), or, when any value lives on an
+        accelerator, a :class:`PendingRead` to ask later."""
+        values = self.values
+        if not values:
+            return []
+        if not self.accelerated:  # CPU scalars: reading each is cheaper than one more kernel
+            return self._flagged([p for p, v in enumerate(values) if not isfinite(v.item())])
+        device = values[0].device
+        if all(v.device == device for v in values):
+            groups = {device: list(range(len(values)))}
+        else:
+            groups = {}
+            for position, value in enumerate(values):
+                groups.setdefault(value.device, []).append(position)
+        if all(d.type == "cpu" for d in groups):
+            return self._flagged(_bad_positions(groups, values))
+        return PendingRead(self, groups)
+
+    def _flagged(self, positions: Iterable[int]) -> Flagged:
+        entries = sorted({self.owners[p] for p in positions})
+        return [self.entries[e] for e in entries]
+
+
+def _bad_positions(groups: dict[torch.device, list[int]], values: list[Tensor]) -> list[int]:
+    """Positions of the non-finite values (one read per device, another only when one is)."""
+    bad: list[int] = []
+    for positions in groups.values():
+        finite = torch.isfinite(torch.stack([values[p] for p in positions]))
+        if bool(finite.all()):
+            continue
+        bad.extend(positions[i] for i in (~finite).nonzero().flatten().tolist())
+    return bad
+
+
+class PendingRead:
+    """A flag read in flight from an accelerator: :meth:`ready` without waiting, then
+    :meth:`result`."""
+
+    __slots__ = ("_events", "_flags", "_groups", "_host", "_stacked")
+
+    def __init__(self, flags: Flags, groups: dict[torch.device, list[int]]) -> None:
+        self._flags = flags
+        self._groups = groups
+        self._stacked: list[tuple[list[int], Tensor]] = []
+        self._host: list[Tensor] = []
+        self._events: list[object] = []
+        for positions in groups.values():
+            stacked = torch.isfinite(torch.stack([flags.values[p] for p in positions]))
+            self._stacked.append((positions, stacked))
+            self._host.append(stacked.all().to("cpu", non_blocking=True))
+            device = stacked.device
+            if device.type == "cuda":
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(device))
+                self._events.append(event)
+
+    def ready(self) -> bool:
+        """Whether every device has delivered its flag (never waits)."""
+        return all(bool(event.query()) for event in self._events)  # type: ignore[attr-defined]
+
+    def result(self) -> Flagged:
+        """The flagged entries (waits for the copies; reads the details only when flagged)."""
+        for event in self._events:
+            event.synchronize()  # type: ignore[attr-defined]
+        bad: list[int] = []
+        for (positions, finite), host in zip(self._stacked, self._host, strict=True):
+            if bool(host):
+                continue
+            bad.extend(positions[i] for i in (~finite).nonzero().flatten().tolist())
+        return self._flags._flagged(bad)
+
+
+__all__ = ["DOT_LIMIT", "Flagged", "Flags", "PendingRead", "flag_values"]

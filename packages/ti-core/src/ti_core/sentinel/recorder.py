@@ -1,0 +1,363 @@
+"""The flight recorder of one observer: the sentinel's checks, the events, the dense captures.
+
+Ownership: the observer builds one :class:`FlightRecorder` and closes it at removal; the gate
+calls :meth:`FlightRecorder.begin`, :meth:`~FlightRecorder.check` and
+:meth:`~FlightRecorder.end` around and inside every root forward when the sentinel is on (and
+the compiled graphs hand it the values they computed, :meth:`~FlightRecorder.check_values`).
+Gradient checks are tensor hooks on the outputs (:class:`GradientCheck`), living as long as
+the autograd graph; each backward's flags are read when it ends (an engine callback).
+
+Events (``ti.events`` rows) go to the sinks that declare ``write_events`` at once, on the
+thread that found them. State, changed under the recorder's lock::
+
+    ARMED ──a check fires──> FIRED (one event, a dense capture triggered)
+      ^                        │
+      └── a root forward whose output check and gradient check were both clean
+
+so a run that stays non-finite records one event, not one per forward. Manual and loss
+triggers (:meth:`FlightRecorder.trigger`) record their event whatever the state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import pyarrow as pa
+import torch
+from torch import Tensor
+
+from ti_core.capture.context import now_us
+from ti_core.capture.paths import tensor_leaves
+from ti_core.errors import ErrorPolicy
+from ti_core.sentinel.dense import DenseSampler
+from ti_core.sentinel.events import Event, event_batch
+from ti_core.sentinel.flags import Flagged, Flags, PendingRead
+from ti_core.sentinel.options import Sentinel, check_forwards
+from ti_schema import EventKind
+
+SENTINEL_STAGE: Final = "sentinel check"
+_RECENT: Final = 64
+"""Root forwards whose clean output check waits for their gradient check (older ones are
+forgotten: their backward never came)."""
+
+
+class _Forward:
+    """One root forward's output flags (per thread) and its backward's gradient flags."""
+
+    __slots__ = ("gradients", "index", "outputs", "watched")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.outputs = Flags()
+        self.gradients: _GradientFlush | None = None
+        self.watched = False  # a gradient check was hooked on one of its outputs
+
+
+class FlightRecorder:
+    """Checks, events and dense captures of one observer."""
+
+    def __init__(
+        self,
+        options: Sentinel | None,
+        dense: DenseSampler,
+        *,
+        layer_names: Sequence[str],
+        module_types: Sequence[str],
+        run_id: str,
+        rank: int,
+        schema: pa.Schema,
+        write: Callable[[pa.RecordBatch], None],
+        errors: ErrorPolicy,
+    ) -> None:
+        self.options = options
+        """The sentinel's options; None: no checks (manual and loss triggers still work)."""
+        self.dense = dense
+        self._names = tuple(layer_names)
+        self._types = tuple(module_types)
+        self._run_id = run_id
+        self._rank = rank
+        self._schema = schema
+        self._write = write
+        self._errors = errors
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._ids = itertools.count()
+        self._armed = True
+        self._closed = False
+        self._clean_outputs: dict[int, bool] = {}
+        """Root forwards whose output check was clean, waiting for their gradient check."""
+        self._pending: list[tuple[str, int, PendingRead, bool]] = []
+        self._last: _Forward | None = None
+        """The latest root forward that ended (compiled gradient checks belong to it)."""
+        self._latest: Callable[[], int] = lambda: -1
+        self.events: list[Event] = []
+        """Every event of the run so far (also written to the sinks)."""
+        self._gradients = options is not None and options.gradients
+        self._outputs = options is not None and options.outputs
+        self._self_ref = weakref.ref(self)
+
+    def bind_latest(self, latest: Callable[[], int]) -> None:
+        """Where the index of the latest root forward started comes from (the gate)."""
+        self._latest = latest
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ the checks
+
+    def begin(self, index: int) -> None:
+        """An outermost root forward starts on this thread."""
+        self._local.forward = _Forward(index)
+
+    def check(self, layer: int, output: object) -> None:
+        """A selected module returned ``output`` in this thread's root forward."""
+        forward: _Forward | None = getattr(self._local, "forward", None)
+        if forward is None:
+            return
+        leaves = (("", output),) if isinstance(output, Tensor) else tensor_leaves(output)
+        outputs = forward.outputs if self._outputs else None
+        gradients = self._gradients and torch.is_grad_enabled()
+        for path, tensor in leaves:
+            if outputs is not None:
+                outputs.add(layer, path, tensor)
+            if gradients and tensor.requires_grad and not tensor.is_leaf:
+                check = GradientCheck(self._self_ref, forward, layer, path)
+                tensor.register_hook(check)  # type: ignore[no-untyped-call]
+                forward.watched = True
+
+    def check_values(self, layer: int, paths: Sequence[str], values: Sequence[Tensor]) -> None:
+        """What a compiled graph computed for one call: ``aminmax`` of each tensor, in pairs."""
+        forward: _Forward | None = getattr(self._local, "forward", None)
+        if forward is None:
+            forward = self._local.forward = _Forward(self._latest())
+        for position, path in enumerate(paths):
+            forward.outputs.add_values(layer, path, values[2 * position : 2 * position + 2])
+
+    def check_gradient_values(self, layer: int, path: str, low: Tensor, high: Tensor) -> None:
+        """A compiled graph's gradient check (``aminmax`` of the gradient of one output), for
+        the latest root forward that ended (a compiled graph carries no forward identity)."""
+        forward = self._last
+        if forward is None or self._closed:
+            return
+        flush = forward.gradients
+        if flush is None:
+            flush = forward.gradients = _GradientFlush(self._self_ref, forward)
+        flush.add_values(layer, path, low, high)
+
+    def end(self) -> None:
+        """The outermost root forward ended on this thread: read its flags (on an accelerator,
+        ask for them and act on the ones asked for one root forward ago)."""
+        forward: _Forward | None = getattr(self._local, "forward", None)
+        self._local.forward = None
+        self._settle()
+        if forward is None or self._closed:
+            return
+        self._last = forward
+        result = forward.outputs.read()
+        if isinstance(result, PendingRead):
+            with self._lock:
+                self._pending.append(("output", forward.index, result, forward.watched))
+            return
+        self.outputs_checked(forward, result)
+
+    def _settle(self, *, wait: bool = False) -> None:
+        """Act on the reads asked for earlier (those ready, or all when ``wait``)."""
+        if not self._pending:
+            return
+        with self._lock:
+            pending, self._pending = self._pending, []
+        later = []
+        for item in pending:
+            signal, index, read, watched = item
+            if wait or signal == "output" or read.ready():  # an output read: one forward ago
+                flagged = read.result()
+                if signal == "output":
+                    self._outputs_read(index, flagged, watched=watched)
+                else:
+                    self._gradients_read(index, flagged)
+            else:
+                later.append(item)
+        if later:
+            with self._lock:
+                self._pending[:0] = later
+
+    def outputs_checked(self, forward: _Forward, flagged: Flagged) -> None:
+        self._outputs_read(forward.index, flagged, watched=forward.watched)
+
+    def _outputs_read(self, index: int, flagged: Flagged, *, watched: bool) -> None:
+        if flagged:
+            self._fire("output", index, flagged)
+            return
+        with self._lock:
+            if watched:  # clean so far: re-armed once its gradients are clean too
+                self._clean_outputs[index] = True
+                while len(self._clean_outputs) > _RECENT:
+                    del self._clean_outputs[next(iter(self._clean_outputs))]
+            else:
+                self._armed = True
+
+    def gradients_checked(self, index: int, flags: Flags) -> None:
+        """One backward's gradient checks for root forward ``index`` are complete."""
+        result = flags.read()
+        if isinstance(result, PendingRead):
+            with self._lock:
+                self._pending.append(("output_gradient", index, result, True))
+            return
+        self._gradients_read(index, result)
+
+    def _gradients_read(self, index: int, flagged: Flagged) -> None:
+        if flagged:
+            with self._lock:
+                self._clean_outputs.pop(index, None)
+            self._fire("output_gradient", index, flagged)
+            return
+        with self._lock:
+            if self._clean_outputs.pop(index, False):
+                self._armed = True
+
+    # ------------------------------------------------------------------ events
+
+    def _fire(self, signal: str, index: int, flagged: Flagged) -> None:
+        with self._lock:
+            if not self._armed or self._closed:
+                return
+            self._armed = False
+        assert self.options is not None
+        self._record(
+            "nonfinite",
+            index,
+            self.options.dense_forwards,
+            signal=signal,
+            layers=tuple(self._names[layer] for layer, _ in flagged),
+            module_types=tuple(self._types[layer] for layer, _ in flagged),
+            tensor_paths=tuple(path for _, path in flagged),
+        )
+
+    def trigger(
+        self,
+        kind: EventKind,
+        *,
+        forwards: int | None,
+        reason: str | None,
+        value: float | None = None,
+    ) -> Event | None:
+        """Record a ``manual`` or ``loss`` event and sample the next ``forwards`` root
+        forwards in full (default: the sentinel's ``dense_forwards``, else 4)."""
+        if forwards is None:
+            forwards = self.options.dense_forwards if self.options is not None else 4
+        if self._closed:
+            return None
+        return self._record(kind, self._latest(), forwards, reason=reason, value=value)
+
+    def _record(
+        self,
+        kind: EventKind,
+        index: int,
+        forwards: int,
+        *,
+        signal: str | None = None,
+        layers: tuple[str, ...] = (),
+        module_types: tuple[str, ...] = (),
+        tensor_paths: tuple[str, ...] = (),
+        reason: str | None = None,
+        value: float | None = None,
+    ) -> Event:
+        check_forwards(forwards, "forwards=")
+        first = self.dense.trigger(forwards)
+        event = Event(
+            event_id=next(self._ids),
+            kind=kind,
+            forward_index=index,
+            timestamp_us=now_us(),
+            dense_first_forward=first,
+            dense_forwards=forwards,
+            signal=signal,
+            layers=layers,
+            module_types=module_types,
+            tensor_paths=tensor_paths,
+            reason=reason,
+            value=value,
+        )
+        with self._lock:
+            self.events.append(event)
+        self._write(event_batch(event, self._schema, self._run_id, self._rank))
+        return event
+
+    def close(self) -> None:
+        """Act on every read still in flight, then record nothing more."""
+        try:
+            self._settle(wait=True)
+        except Exception as error:
+            self._errors.handle(SENTINEL_STAGE, error)
+        self._closed = True
+
+
+class _GradientFlush:
+    """The gradient flags one backward delivers to one root forward, read when it ends."""
+
+    __slots__ = ("flags", "forward", "queued", "recorder")
+
+    def __init__(self, recorder: weakref.ref[FlightRecorder], forward: _Forward) -> None:
+        self.recorder = recorder
+        self.forward = forward
+        self.flags = Flags()
+        self.queued = False
+
+    def add_values(self, layer: int, path: str, low: Tensor, high: Tensor) -> None:
+        self.flags.add_values(layer, path, (low, high))
+        self._queue()
+
+    def _queue(self) -> None:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def flush(self) -> None:
+        recorder = self.recorder()
+        flags, self.flags = self.flags, Flags()
+        self.queued = False
+        if self.forward.gradients is self:
+            self.forward.gradients = None
+        if recorder is None or recorder.closed:
+            return
+        try:
+            recorder.gradients_checked(self.forward.index, flags)
+        except Exception as error:
+            recorder._errors.handle(SENTINEL_STAGE, error)
+
+
+class GradientCheck:
+    """Tensor hook on a checked output: checks the gradient flowing into it (never changes it)."""
+
+    __slots__ = ("forward", "layer", "path", "recorder")
+
+    def __init__(
+        self, recorder: weakref.ref[FlightRecorder], forward: _Forward, layer: int, path: str
+    ) -> None:
+        self.recorder = recorder
+        self.forward = forward
+        self.layer = layer
+        self.path = path
+
+    def __call__(self, grad: Tensor) -> None:
+        recorder = self.recorder()
+        if recorder is None or recorder.closed or grad is None:
+            return
+        try:
+            forward = self.forward
+            flush = forward.gradients
+            if flush is None:
+                flush = forward.gradients = _GradientFlush(self.recorder, forward)
+            flush.flags.add(self.layer, self.path, grad)
+            if not flush.queued:
+                flush._queue()
+        except Exception as error:
+            recorder._errors.handle(SENTINEL_STAGE, error)
+
+
+__all__ = ["SENTINEL_STAGE", "FlightRecorder", "GradientCheck"]

@@ -1,0 +1,448 @@
+"""The flight recorder: the non-finite sentinel, its events and the dense capture they set off.
+
+Real models and real training steps; events and rows read back from a MemorySink. The flags'
+exactness is checked against numpy's ``isfinite`` on tensors with non-finite entries at every
+position class (and finite extremes that would overflow a plain sum).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+import ti_core
+from ti_core import EveryNForwardsSampler, MemorySink, Sentinel, trigger_capture
+from ti_core.gate import GateState
+from ti_core.sentinel.flags import DOT_LIMIT, Flags, flag_values
+from ti_schema import validate_events
+
+NEVER = 10**9  # an interval no test reaches: only the first forward and dense captures sample
+
+
+class Log(nn.Module):
+    """``log`` of its input: NaN once the input turns negative."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class Shifted(nn.Module):
+    """a -> relu -> b -> (|h| + shift) -> log -> c; ``shift`` < 0 makes ``log`` produce NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.log = Log()
+        self.c = nn.Linear(6, 1)
+        self.shift = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x)))
+        return self.c(self.log(h.abs() + self.shift))
+
+
+class _PoisonGrad(torch.autograd.Function):
+    """Identity forward; its backward returns a NaN gradient once ``poisoned``."""
+
+    poisoned = False
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        if _PoisonGrad.poisoned:
+            return torch.full_like(grad, math.nan)
+        return grad
+
+
+class Poison(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _PoisonGrad.apply(x)
+
+
+class BackwardNaN(nn.Module):
+    """first -> second -> poison -> head: a NaN that appears first in backward, flowing into
+    ``second``'s output (then ``first``'s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(5, 5)
+        self.second = nn.Linear(5, 5)
+        self.poison = Poison()
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.poison(self.second(torch.tanh(self.first(x)))))
+
+
+def _train(
+    model: nn.Module, steps: int, before: dict[int, object] | None = None, *, lr: float = 0.0
+) -> None:
+    """``steps`` real training steps (SGD; with ``lr=0`` no step is taken, so a NaN gradient
+    does not reach the weights: 0 * NaN is NaN)."""
+    torch.manual_seed(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr or 0.1)
+    for step in range(steps):
+        action = (before or {}).get(step)
+        if callable(action):
+            action()
+        x = torch.rand(4, model_in(model)) + 0.1
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        if lr:
+            optimizer.step()
+
+
+def model_in(model: nn.Module) -> int:
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    return first.in_features
+
+
+def _attach(model: nn.Module, sink: MemorySink, **options: object) -> None:
+    ti_core.inject_observer(
+        model, sink=sink, output_dir=None, sampler=EveryNForwardsSampler(NEVER), **options
+    )
+
+
+def _events(sink: MemorySink) -> list[dict[str, object]]:
+    table = sink.events()
+    validate_events(table)
+    return table.to_pylist()
+
+
+def _set_shift(model: Shifted, value: float) -> object:
+    def act() -> None:
+        model.shift = value
+
+    return act
+
+
+def test_forward_nan_gives_one_event_naming_the_module_and_a_dense_capture() -> None:
+    torch.manual_seed(0)
+    model = Shifted()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=True)
+    # forward 5 on: log of a negative value; the NaN then reaches c, and stays (lr > 0 would
+    # spread it into the weights; here it stays because shift stays negative).
+    _train(model, 12, {5: _set_shift(model, -100.0)})
+    ti_core.remove_observer(model)
+
+    events = _events(sink)
+    assert len(events) == 1
+    event = events[0]
+    assert event["kind"] == "nonfinite"
+    assert event["forward_index"] == 5
+    assert event["signal"] == "output"
+    assert event["layer"] == "log"
+    assert event["module_type"] == "Log"
+    assert event["tensor_path"] == ""
+    assert event["layers"] == ["log", "c"]  # every flagged module, in call order
+    assert event["dense_first_forward"] == 6
+    assert event["dense_forwards"] == 4
+    assert event["rank"] == 0
+
+    table = sink.table().to_pylist()
+    assert sorted({r["forward_index"] for r in table}) == [0, 6, 7, 8, 9]
+    nonfinite = {
+        r["forward_index"]: r["value"]
+        for r in table
+        if r["layer"] == "log" and r["metric"] == "nonfinite_fraction" and r["signal"] == "output"
+    }
+    assert nonfinite[0] == 0.0
+    assert all(nonfinite[k] > 0 for k in (6, 7, 8, 9))
+
+
+def test_another_event_fires_only_after_a_clean_forward() -> None:
+    torch.manual_seed(0)
+    model = Shifted()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=1))
+    _train(
+        model,
+        14,
+        {
+            3: _set_shift(model, -100.0),  # 3, 4, 5 non-finite: one event
+            6: _set_shift(model, 1.0),  # 6..9 clean: re-armed
+            10: _set_shift(model, -100.0),  # a second event
+        },
+    )
+    ti_core.remove_observer(model)
+    events = _events(sink)
+    assert [e["forward_index"] for e in events] == [3, 10]
+    assert [e["event_id"] for e in events] == [0, 1]
+    assert [e["dense_first_forward"] for e in events] == [4, 11]
+    assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 4, 11}
+
+
+def test_nan_first_in_backward_names_the_module_it_flows_into() -> None:
+    torch.manual_seed(0)
+    model = BackwardNaN()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=True)
+
+    def poison() -> None:
+        _PoisonGrad.poisoned = True
+
+    try:
+        _train(model, 6, {2: poison})
+    finally:
+        _PoisonGrad.poisoned = False
+        ti_core.remove_observer(model)
+    events = _events(sink)
+    assert len(events) == 1  # forwards 3..5 stay non-finite in backward: no second event
+    event = events[0]
+    assert event["signal"] == "output_gradient"
+    assert event["forward_index"] == 2
+    # Gradients arrive in backward order: head's and poison's are finite; poison's backward
+    # makes the one flowing into second's output NaN, then first's.
+    assert event["layer"] == "second"
+    assert event["layers"] == ["second", "first"]
+    assert event["dense_first_forward"] == 3
+
+
+def test_outputs_only_sentinel_ignores_a_backward_nan() -> None:
+    model = BackwardNaN()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(signals=("output",)))
+    _PoisonGrad.poisoned = True
+    try:
+        _train(model, 3)
+    finally:
+        _PoisonGrad.poisoned = False
+        ti_core.remove_observer(model)
+    assert _events(sink) == []
+
+
+def test_manual_trigger_records_its_reason_and_samples_the_next_forwards() -> None:
+    torch.manual_seed(0)
+    model = Shifted()
+    sink = MemorySink()
+    _attach(model, sink)  # no sentinel: the manual trigger works on its own
+    assert ti_core.observer_of(model).state is GateState.IDLE  # type: ignore[union-attr]
+    event = None
+
+    def ask() -> None:
+        nonlocal event
+        event = trigger_capture(model, forwards=3, reason="loss spike at step 4")
+
+    _train(model, 10, {4: ask})
+    ti_core.remove_observer(model)
+    assert event is not None
+    assert event.kind == "manual"
+    rows = _events(sink)
+    assert len(rows) == 1
+    assert rows[0]["kind"] == "manual"
+    assert rows[0]["reason"] == "loss spike at step 4"
+    assert rows[0]["forward_index"] == 3  # the latest root forward started when asked
+    assert rows[0]["layer"] is None
+    assert rows[0]["layers"] == []
+    assert (rows[0]["dense_first_forward"], rows[0]["dense_forwards"]) == (4, 3)
+    assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 4, 5, 6}
+
+
+def test_loss_trigger_kind_keeps_the_value_and_defaults_to_dense_forwards() -> None:
+    model = Shifted()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=2))
+    _train(model, 2)
+    event = trigger_capture(model, reason="loss 9.5 > mean + 3 sd", kind="loss", value=9.5)
+    ti_core.remove_observer(model)
+    assert event is not None
+    (row,) = _events(sink)
+    assert (row["kind"], row["value"], row["dense_forwards"]) == ("loss", 9.5, 2)
+
+
+def test_trigger_without_an_observer_returns_none_and_bad_arguments_raise() -> None:
+    model = Shifted()
+    assert trigger_capture(model, reason="no observer") is None
+    with pytest.raises(ValueError, match="reason"):
+        trigger_capture(model, reason="  ")
+    with pytest.raises(ValueError, match="forwards"):
+        trigger_capture(model, reason="x", forwards=0)
+    with pytest.raises(ValueError, match="kind"):
+        trigger_capture(model, reason="x", kind="nonfinite")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sentinel="):
+        ti_core.inject_observer(model, output_dir=None, sink=MemorySink(), sentinel="on")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dense_forwards"):
+        Sentinel(dense_forwards=0)
+    with pytest.raises(ValueError, match="signals"):
+        Sentinel(signals=("parameter",))
+    assert not ti_core.has_observer(model)
+
+
+def test_sentinel_off_changes_nothing_and_on_keeps_capture_installed() -> None:
+    model = Shifted()
+    sink = MemorySink()
+    _attach(model, sink)
+    _train(model, 3)
+    observer = ti_core.observer_of(model)
+    assert observer is not None
+    assert observer.state is GateState.IDLE
+    assert "sentinel" not in observer.run.settings
+    ti_core.remove_observer(model)
+    _attach(model, sink, sentinel=True)
+    observer = ti_core.observer_of(model)
+    assert observer is not None
+    assert observer.state is GateState.CAPTURING
+    assert observer.run.settings["sentinel"].startswith("Sentinel(")
+    _train(model, 3)
+    ti_core.remove_observer(model)
+    # every hook and override is gone
+    for module in model.modules():
+        assert not module._forward_hooks
+        assert "_call_impl" not in module.__dict__
+
+
+def test_a_failing_write_never_breaks_training() -> None:
+    class Broken(MemorySink):
+        def write_events(self, batch: object) -> None:
+            raise OSError("disk full")
+
+    model = Shifted()
+    sink = Broken()
+    _attach(model, sink, sentinel=True)
+    with pytest.warns(ti_core.TelemetryWarning, match="disk full"):
+        _train(model, 6, {2: _set_shift(model, -100.0)})
+    ti_core.remove_observer(model)
+    # the dense capture still happened
+    assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 3, 4, 5}
+
+
+# ----------------------------------------------------------------------------- the flags
+
+
+def _flagged(tensor: torch.Tensor) -> bool:
+    flags = Flags()
+    flags.add(0, "", tensor)
+    result = flags.read()
+    assert isinstance(result, list)
+    return bool(result)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+)
+@pytest.mark.parametrize("numel", [1, 7, 4096, DOT_LIMIT + 3])
+def test_flags_are_exact_against_numpy(dtype: torch.dtype, numel: int) -> None:
+    generator = torch.Generator().manual_seed(numel)
+    base = torch.randn(numel, generator=generator, dtype=torch.float64)
+    finfo = torch.finfo(dtype if not dtype.is_complex else torch.float32)
+    # Finite extremes whose plain sum overflows must not flag.
+    base[0] = finfo.max
+    if numel > 1:
+        base[-1] = finfo.max
+    tensor = base.to(dtype)
+    cases = [tensor]
+    for position in sorted({0, numel // 2, numel - 1}):
+        for bad in (math.nan, math.inf, -math.inf):
+            broken = tensor.clone()
+            broken[position] = bad
+            cases += [broken, broken[position % 2 :: 2]]  # the second is not contiguous
+    for case in cases:
+        wide = case.to(torch.complex128 if dtype.is_complex else torch.float64).numpy()
+        assert _flagged(case) == (not np.isfinite(wide).all()), (dtype, numel)
+    assert not _flagged(tensor)  # the finite extremes
+
+
+def test_flags_skip_what_cannot_be_non_finite() -> None:
+    assert flag_values(torch.arange(5)) == ()
+    assert flag_values(torch.ones(3, dtype=torch.bool)) == ()
+    assert flag_values(torch.empty(0)) == ()
+    assert len(flag_values(torch.zeros(3).to(torch.float8_e4m3fn))) == 2
+    narrow = torch.tensor([1.0, math.nan]).to(torch.float8_e5m2)
+    assert _flagged(narrow)
+
+
+# ----------------------------------------------------------------------------- compiled
+
+
+@pytest.mark.slow
+def test_compiled_fullgraph_sentinel_names_the_module() -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Shifted()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=2))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    try:
+        torch.manual_seed(1)
+        for step in range(7):
+            if step == 3:
+                model.shift = -100.0
+            x = torch.rand(4, 6) + 0.1
+            compiled(x).sum().backward()
+        assert not counters["graph_break"]
+    finally:
+        ti_core.remove_observer(model)
+        torch._dynamo.reset()
+    events = _events(sink)
+    assert len(events) == 1
+    assert (events[0]["forward_index"], events[0]["signal"], events[0]["layer"]) == (
+        3,
+        "output",
+        "log",
+    )
+    assert events[0]["layers"] == ["log", "c"]
+    assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 4, 5}
+
+
+class Scale(nn.Module):
+    """Multiplies by a buffer: an infinite scale makes its output non-finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k", torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["observe-then-compile", "compile-then-observe"])
+def test_compiled_sequential_root_checks_every_forward(order: str) -> None:
+    """An ``nn.Sequential`` root compiled after it was observed has its root hooks traced into
+    the graph (``COMPILED_AHEAD``: the decision for a forward is taken when the previous one
+    ends); observed as an ``OptimizedModule`` they run eagerly (``COMPILED``)."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    scale = Scale()
+    model = nn.Sequential(nn.Linear(4, 4), scale, nn.Tanh(), nn.Linear(4, 1))
+    sink = MemorySink()
+    if order == "observe-then-compile":
+        _attach(model, sink, sentinel=Sentinel(dense_forwards=2))
+        target = observed = torch.compile(model, backend="aot_eager", fullgraph=True)
+        observed = model
+        want = GateState.COMPILED_AHEAD
+    else:
+        target = observed = torch.compile(model, backend="aot_eager", fullgraph=True)
+        _attach(observed, sink, sentinel=Sentinel(dense_forwards=2))
+        want = GateState.COMPILED
+    try:
+        for step in range(9):
+            if step == 4:
+                scale.k.fill_(math.inf)
+            if step == 6:
+                scale.k.fill_(1.0)
+            target(torch.rand(3, 4)).sum().backward()
+        observer = ti_core.observer_of(observed)
+        assert observer is not None
+        assert observer.state is want
+        assert not counters["graph_break"]
+    finally:
+        ti_core.remove_observer(observed)
+        torch._dynamo.reset()
+    (event,) = _events(sink)
+    assert (event["forward_index"], event["signal"], event["layer"]) == (4, "output", "1")
+    assert event["layers"] == ["1"]  # tanh(+-inf) = +-1: finite from there on
+    assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 5, 6}

@@ -1,0 +1,90 @@
+"""``validate_run``: every way a run directory is damaged or breaks the contract (``ti validate``).
+
+Two checks, every problem collected: each Parquet file of the run (final files and parts, of
+every rank) is read whole with its page checksums verified (:mod:`ti_io.integrity`), so a
+truncated file, a footer that does not parse, a page that fails its checksum or cannot be
+decoded is named with what is wrong; then the contract (``ti_schema.artifact_dir_problems``:
+schemas, footers, ranks, result.json, what a run holds). A damaged file is reported once, by the
+first check. Files written without page checksums are read but cannot be verified: one note
+says how many. Parts a consolidation skipped as damaged (``damaged/``) are a note as well.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ti_io.damaged import gap_lines, parts_dirs, read_skipped
+from ti_io.finish.journal import interrupted_finalizations
+from ti_io.integrity import parquet_problem
+from ti_schema.artifacts import artifact_dir_problems
+from ti_schema.layout import RUN_FILES, list_parts, list_rank_dirs
+
+
+@dataclass(frozen=True)
+class RunValidation:
+    """What :func:`validate_run` found."""
+
+    directory: Path
+    problems: tuple[str, ...]
+    """One line per problem, ``PATH: what is wrong``; empty when the run is whole."""
+    notes: tuple[str, ...]
+    """Facts to know that are not problems (unverifiable files, interrupted finalizations,
+    parts a consolidation skipped)."""
+    unverified: tuple[Path, ...]
+    """Files written without page checksums (read, but not verifiable)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _parquet_files(run: Path) -> list[Path]:
+    finals = [run / name for name in RUN_FILES if name.endswith(".parquet")]
+    files = [path for path in finals if path.is_file()]
+    for parts in parts_dirs(run):
+        files += list_parts(parts)
+    return files
+
+
+def validate_run(path: str | os.PathLike[str]) -> RunValidation:
+    """Check the run (or directory of ``rank-NNN`` runs) at ``path``: every Parquet file read
+    whole with page checksums verified, then the contract. Live and interrupted runs are
+    checked as they stand. Raises NotADirectoryError when ``path`` is not a directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise NotADirectoryError(f"{root} is not a directory")
+    runs = [child for _, child in list_rank_dirs(root)] or [root]
+    problems: list[str] = []
+    notes: list[str] = []
+    damaged: set[Path] = set()
+    unverified: list[Path] = []
+    for run in runs:
+        for file in _parquet_files(run):
+            problem, checksummed = parquet_problem(file)
+            if problem is not None:
+                damaged.add(file)
+                problems.append(f"{file}: damaged: {problem}")
+            elif not checksummed:
+                unverified.append(file)
+        gap = gap_lines(read_skipped(run))
+        if gap:
+            notes.append(f"{run}: " + "; ".join(gap))
+    for mismatch in artifact_dir_problems(root, allow_live=True):
+        if mismatch.path not in damaged:
+            problems.append(str(mismatch))
+    journal_problems, interrupted = interrupted_finalizations(root)
+    problems += journal_problems
+    notes += interrupted
+    if unverified:
+        shown = ", ".join(str(p) for p in unverified[:3])
+        notes.insert(
+            0,
+            f"{len(unverified)} Parquet file(s) have no page checksums (written before ti-io "
+            f"wrote them) and cannot be verified: {shown}{', ...' if len(unverified) > 3 else ''}",
+        )
+    return RunValidation(root, tuple(problems), tuple(notes), tuple(unverified))
+
+
+__all__ = ["RunValidation", "validate_run"]

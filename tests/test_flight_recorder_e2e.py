@@ -1,0 +1,183 @@
+"""The flight recorder end to end: real training processes with ``sentinel=True`` writing runs
+through ti-io's DirectorySink, a ``kill -9`` after the event, and a two-process gloo job in
+which only rank 1 goes non-finite (read back with ti-dist)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from ti_dist import events_across_ranks, first_event
+from ti_io import read_events, scan_history
+from ti_io.cli import main as cli_main
+from ti_schema.layout import EVENT_PARTS, EVENTS_FILE
+
+JOB_TIMEOUT_S = 240
+
+# A real model whose Log module produces NaN from the forward ``argv[2]`` on (its input turns
+# negative); the optimizer never steps, so the weights stay finite.
+MODEL = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    class Log(nn.Module):
+        def forward(self, x):
+            return torch.log(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+            self.log = Log()
+            self.out = nn.Linear(8, 1)
+            self.shift = 1.0
+
+        def forward(self, x):
+            return self.out(self.log(self.inp(x).abs() + self.shift))
+    """
+)
+
+KILLED = MODEL + textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from ti_core import EveryNForwardsSampler, inject_observer
+
+    torch.manual_seed(0)
+    model = Net()
+    inject_observer(
+        model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(10**9), sentinel=True
+    )
+    for step in range(8):
+        if step == int(sys.argv[2]):
+            model.shift = -100.0
+        model.zero_grad()
+        model(torch.rand(16, 4)).sum().backward()
+    time.sleep(2.5)  # the 1-s flush clock publishes the dense rows; nothing finalizes
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_event_and_its_dense_rows_survive_kill_9_and_consolidate(tmp_path: Path) -> None:
+    out = tmp_path / "stats"
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED, str(out), "3"],
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert (out / EVENT_PARTS).is_dir()
+    assert not (out / EVENTS_FILE).exists()
+    assert read_events(out).column("layer").to_pylist() == ["log"]  # the live run
+
+    assert cli_main(["consolidate", str(out)]) == 0
+    (event,) = read_events(out).to_pylist()
+    assert (event["kind"], event["signal"], event["forward_index"]) == ("nonfinite", "output", 3)
+    assert (event["layer"], event["layers"]) == ("log", ["log", "out"])
+    assert (event["dense_first_forward"], event["dense_forwards"]) == (4, 4)
+    history = scan_history(out).collect()
+    assert sorted(history["forward_index"].unique().to_list()) == [0, 4, 5, 6, 7]
+    dense = history.filter(
+        pl.col("forward_index").is_between(4, 7),
+        pl.col("layer") == "log",
+        pl.col("signal") == "output",
+        pl.col("metric") == "nonfinite_fraction",
+    )
+    assert dense.height == 4
+    assert (dense["value"] > 0).all()
+    assert cli_main(["validate", str(out)]) == 0
+    index = (out / "index.md").read_text()
+    assert index.index("log") < index.index("## Run")  # the event is listed first
+
+
+WORKER = MODEL + textwrap.dedent(
+    """
+    import json, sys
+    import torch.distributed as dist
+    from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net()
+    inject_observer(
+        model,
+        output_dir=sys.argv[1],
+        sampler=EveryNForwardsSampler(10**9),
+        rank_policy="all",
+        sentinel=True,
+    )
+    shard = torch.Generator().manual_seed(100 + rank)
+    for step in range(6):
+        if rank == 1 and step == 2:
+            model.shift = -100.0  # only rank 1 breaks
+        model.zero_grad()
+        loss = model(torch.rand(16, 4, generator=shard)).sum()
+        loss.backward()
+        seen = torch.tensor([float(torch.isfinite(loss))])
+        dist.all_reduce(seen)  # a real collective every step
+    remove_observer(model)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_only_rank_1_goes_non_finite_and_ti_dist_names_it(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        logs = [p.communicate(timeout=JOB_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], json.dumps(logs)
+
+    assert read_events(out / "rank-000").num_rows == 0  # an empty table, not a missing file
+    assert (out / "rank-000" / EVENTS_FILE).is_file()
+    first = first_event(out)
+    assert first is not None
+    assert (first["rank"], first["forward_index"], first["layer"]) == (1, 2, "log")
+    assert events_across_ranks(out)["rank"].to_list() == [1]
