@@ -86,6 +86,7 @@ def test_names_never_become_paths_or_escape_the_directory(run_dir: Path) -> None
     assert {p.name for p in run_dir.iterdir()} == {
         "history.parquet",
         "histograms.parquet",
+        "events.parquet",
         "result.json",
         "index.md",
         "tensorboard",

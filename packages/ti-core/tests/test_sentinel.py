@@ -446,3 +446,27 @@ def test_compiled_sequential_root_checks_every_forward(order: str) -> None:
     assert (event["forward_index"], event["signal"], event["layer"]) == (4, "output", "1")
     assert event["layers"] == ["1"]  # tanh(+-inf) = +-1: finite from there on
     assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 5, 6}
+
+
+def test_a_deferred_flag_read_is_acted_on_one_forward_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator path without an accelerator: every read is asked for at the end of a
+    root forward and acted on at the end of the next (as behind a CUDA event), so the event
+    still names the forward the NaN appeared in, and the dense capture starts one forward
+    later than on CPU. (The CUDA event itself needs a device; this drives the same code.)"""
+    original = Flags.add
+
+    def add_as_if_on_a_device(self: Flags, layer: int, path: str, tensor: torch.Tensor) -> None:
+        original(self, layer, path, tensor)
+        self.accelerated = True
+
+    monkeypatch.setattr(Flags, "add", add_as_if_on_a_device)
+    torch.manual_seed(0)
+    model = Shifted()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=2))
+    _train(model, 9, {4: _set_shift(model, -100.0)})
+    ti_core.remove_observer(model)
+    (event,) = _events(sink)
+    assert (event["forward_index"], event["signal"], event["layer"]) == (4, "output", "log")
+    assert event["dense_first_forward"] == 6  # read at the end of forward 5
+    assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 6, 7}

@@ -24,7 +24,14 @@ from ti_io import consolidate, scan_history
 from ti_io.cli import main
 from ti_io.read.summary import summary_table
 from ti_schema import DEFAULT_METRICS, DEFAULT_SIGNALS, PARAMETER_SIGNALS, SIGNALS
-from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, RESULT_FILE, list_parts
+from ti_schema.layout import (
+    EVENT_PARTS,
+    EVENTS_FILE,
+    HISTORY_FILE,
+    HISTORY_PARTS,
+    RESULT_FILE,
+    list_parts,
+)
 from ti_schema.testing import assert_artifact_dir_conforms
 
 DATA = Path(__file__).parent / "data" / "core-runs"
@@ -158,14 +165,19 @@ def test_consolidating_the_live_run_gives_the_finalized_run(
     runs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     live, final = runs / "live", runs / "finalized"
-    parts = len(list_parts(live / HISTORY_PARTS)) + len(list_parts(live / "histograms.parts"))
+    parts = sum(
+        len(list_parts(live / name)) for name in (HISTORY_PARTS, "histograms.parts", EVENT_PARTS)
+    )
+    assert len(list_parts(live / EVENT_PARTS)) == 1  # the manual event of make_runs.py
     assert main(["consolidate", str(live)]) == 0  # no --force: the writer's host is not this one
     assert f"consolidated {parts} parts" in capsys.readouterr().out
     assert not (live / HISTORY_PARTS).exists()
+    assert not (live / EVENT_PARTS).exists()
     for name in (HISTORY_FILE, "histograms.parquet"):
         assert pq.read_table(live / name).equals(pq.read_table(final / name)), name
         assert pq.read_schema(live / name).equals(pq.read_schema(final / name), True), name
     assert (live / RESULT_FILE).read_bytes() == (final / RESULT_FILE).read_bytes()
+    assert pq.read_table(live / EVENTS_FILE).equals(pq.read_table(final / EVENTS_FILE))
     assert main(["validate", str(live)]) == 0
     assert_artifact_dir_conforms(live)
 

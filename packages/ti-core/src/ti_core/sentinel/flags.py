@@ -3,8 +3,9 @@
 A :class:`Flags` collects, for one root forward's outputs (or for the gradients one backward
 delivered to it), one or two 0-d tensors per checked tensor (:func:`flag_values`), on the
 tensor's device, with no host synchronization: they are all finite exactly when the tensor
-is, so the check is exact and cannot overflow. :meth:`Flags.read` stacks the values per
-device and reads one flag per device; only when a flag is set does it read which fired.
+is, so the check is exact and cannot overflow. :meth:`Flags.read` reads CPU values directly
+(a CPU scalar's read is cheaper than one more kernel); values on an accelerator are stacked
+per device into one flag each, and only a set flag makes it read which fired.
 
 On an accelerator the read is asynchronous (:class:`PendingRead`): the flag is copied to the
 host behind a CUDA event, and the caller acts on it at the next check, one root forward later.
@@ -133,15 +134,9 @@ class Flags:
             return []
         if not self.accelerated:  # CPU scalars: reading each is cheaper than one more kernel
             return self._flagged([p for p, v in enumerate(values) if not isfinite(v.item())])
-        device = values[0].device
-        if all(v.device == device for v in values):
-            groups = {device: list(range(len(values)))}
-        else:
-            groups = {}
-            for position, value in enumerate(values):
-                groups.setdefault(value.device, []).append(position)
-        if all(d.type == "cpu" for d in groups):
-            return self._flagged(_bad_positions(groups, values))
+        groups: dict[torch.device, list[int]] = {}
+        for position, value in enumerate(values):
+            groups.setdefault(value.device, []).append(position)
         return PendingRead(self, groups)
 
     def _flagged(self, positions: Iterable[int]) -> Flagged:
@@ -149,26 +144,14 @@ class Flags:
         return [self.entries[e] for e in entries]
 
 
-def _bad_positions(groups: dict[torch.device, list[int]], values: list[Tensor]) -> list[int]:
-    """Positions of the non-finite values (one read per device, another only when one is)."""
-    bad: list[int] = []
-    for positions in groups.values():
-        finite = torch.isfinite(torch.stack([values[p] for p in positions]))
-        if bool(finite.all()):
-            continue
-        bad.extend(positions[i] for i in (~finite).nonzero().flatten().tolist())
-    return bad
-
-
 class PendingRead:
     """A flag read in flight from an accelerator: :meth:`ready` without waiting, then
     :meth:`result`."""
 
-    __slots__ = ("_events", "_flags", "_groups", "_host", "_stacked")
+    __slots__ = ("_events", "_flags", "_host", "_stacked")
 
     def __init__(self, flags: Flags, groups: dict[torch.device, list[int]]) -> None:
         self._flags = flags
-        self._groups = groups
         self._stacked: list[tuple[list[int], Tensor]] = []
         self._host: list[Tensor] = []
         self._events: list[object] = []
