@@ -448,7 +448,9 @@ def test_compiled_sequential_root_checks_every_forward(order: str) -> None:
     assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 5, 6}
 
 
-def test_a_deferred_flag_read_is_acted_on_one_forward_later(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_deferred_flag_read_is_acted_on_one_forward_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The accelerator path without an accelerator: every read is asked for at the end of a
     root forward and acted on at the end of the next (as behind a CUDA event), so the event
     still names the forward the NaN appeared in, and the dense capture starts one forward
