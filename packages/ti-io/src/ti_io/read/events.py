@@ -30,25 +30,12 @@ from ti_schema.layout import (
     list_parts,
     list_rank_dirs,
 )
+from ti_schema.result_json import EVENT_KEYS
 
 if TYPE_CHECKING:
     import polars as pl
 
-EVENT_SUMMARY_KEYS: tuple[str, ...] = (
-    "kind",
-    "forward_index",
-    "signal",
-    "layer",
-    "module_type",
-    "tensor_path",
-    "layers",
-    "rank",
-    "timestamp",
-    "reason",
-    "value",
-    "dense_first_forward",
-    "dense_forwards",
-)
+EVENT_SUMMARY_KEYS: tuple[str, ...] = EVENT_KEYS
 """The keys of each event in result.json (and of :func:`event_records`), in order."""
 
 
