@@ -520,6 +520,21 @@ EVENTS_CONTRACT: Final[Contract] = Contract(
 """``ti.events`` exists from contract 1.3 on; data of an older version has no events table."""
 
 
+def _raise_problems(
+    source: Any,
+    contract: Contract,
+    metadata: MetadataSource,
+    nullability: Nullability,
+    function: str,
+) -> None:
+    """The one body of the ``validate_*`` functions: raise naming every problem, if any."""
+    problems = problems_for(
+        source, contract, metadata=metadata, nullability=nullability, function=function
+    )
+    if problems:
+        raise SchemaMismatchError(contract.name, problems)
+
+
 def validate_history(
     table_or_schema: Any,
     *,
@@ -544,15 +559,7 @@ def validate_history(
     if profile is not None or signals is not SIGNAL_DECLARATION:
         rules = partial(_history_rules, profile=profile, signals=signals)
         contract = replace(contract, data_rules=rules)
-    problems = problems_for(
-        table_or_schema,
-        contract,
-        metadata=metadata,
-        nullability=nullability,
-        function="validate_history",
-    )
-    if problems:
-        raise SchemaMismatchError(HISTORY, problems)
+    _raise_problems(table_or_schema, contract, metadata, nullability, "validate_history")
 
 
 def validate_histograms(
@@ -569,15 +576,7 @@ def validate_histograms(
     contract = HISTOGRAMS_CONTRACT
     if signals is not SIGNAL_DECLARATION:
         contract = replace(contract, data_rules=partial(_histogram_rules, signals=signals))
-    problems = problems_for(
-        table_or_schema,
-        contract,
-        metadata=metadata,
-        nullability=nullability,
-        function="validate_histograms",
-    )
-    if problems:
-        raise SchemaMismatchError(HISTOGRAMS, problems)
+    _raise_problems(table_or_schema, contract, metadata, nullability, "validate_histograms")
 
 
 def validate_events(
@@ -590,12 +589,4 @@ def validate_events(
 
     Arguments as for :func:`validate_history`.
     """
-    problems = problems_for(
-        table_or_schema,
-        EVENTS_CONTRACT,
-        metadata=metadata,
-        nullability=nullability,
-        function="validate_events",
-    )
-    if problems:
-        raise SchemaMismatchError(EVENTS, problems)
+    _raise_problems(table_or_schema, EVENTS_CONTRACT, metadata, nullability, "validate_events")

@@ -38,11 +38,6 @@ class DenseSampler:
                 return True
         return bool(self.base.should_sample(forward_index))
 
-    def reset(self) -> None:
-        reset = getattr(self.base, "reset", None)
-        if callable(reset):
-            reset()
-
     def __repr__(self) -> str:
         return repr(self.base)
 

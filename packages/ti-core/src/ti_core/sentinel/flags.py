@@ -20,8 +20,6 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from ti_core.capture.paths import tensor_leaves
-
 _CHECKED: Final[frozenset[torch.dtype]] = frozenset(
     {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 )
@@ -111,11 +109,6 @@ class Flags:
                 self.owners.append(entry)
             if not tensor.is_cpu:
                 self.accelerated = True
-
-    def add_output(self, layer: int, output: object) -> None:
-        """Check every tensor of a module's output, with its ``tensor_path``."""
-        for path, tensor in tensor_leaves(output):
-            self.add(layer, path, tensor)
 
     def add_values(self, layer: int, path: str, values: Sequence[Tensor]) -> None:
         """Flag values already computed (by a compiled graph) for one tensor."""

@@ -36,7 +36,7 @@ from ti_core.errors import ErrorPolicy
 from ti_core.sentinel.dense import DenseSampler
 from ti_core.sentinel.events import Event, event_batch
 from ti_core.sentinel.flags import Flagged, Flags, PendingRead
-from ti_core.sentinel.options import Sentinel, check_forwards
+from ti_core.sentinel.options import DEFAULT_DENSE_FORWARDS, Sentinel
 from ti_schema import EventKind
 
 SENTINEL_STAGE: Final = "sentinel check"
@@ -163,7 +163,7 @@ class FlightRecorder:
             with self._lock:
                 self._pending.append(("output", forward.index, result, forward.watched))
             return
-        self.outputs_checked(forward, result)
+        self._outputs_read(forward.index, result, watched=forward.watched)
 
     def _settle(self, *, wait: bool = False) -> None:
         """Act on the reads asked for earlier (those ready, or all when ``wait``)."""
@@ -185,9 +185,6 @@ class FlightRecorder:
         if later:
             with self._lock:
                 self._pending[:0] = later
-
-    def outputs_checked(self, forward: _Forward, flagged: Flagged) -> None:
-        self._outputs_read(forward.index, flagged, watched=forward.watched)
 
     def _outputs_read(self, index: int, flagged: Flagged, *, watched: bool) -> None:
         if flagged:
@@ -249,7 +246,8 @@ class FlightRecorder:
         """Record a ``manual`` or ``loss`` event and sample the next ``forwards`` root
         forwards in full (default: the sentinel's ``dense_forwards``, else 4)."""
         if forwards is None:
-            forwards = self.options.dense_forwards if self.options is not None else 4
+            options = self.options
+            forwards = options.dense_forwards if options is not None else DEFAULT_DENSE_FORWARDS
         if self._closed:
             return None
         return self._record(kind, self._latest(), forwards, reason=reason, value=value)
@@ -267,7 +265,6 @@ class FlightRecorder:
         reason: str | None = None,
         value: float | None = None,
     ) -> Event:
-        check_forwards(forwards, "forwards=")
         first = self.dense.trigger(forwards)
         event = Event(
             event_id=next(self._ids),
