@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch import nn
 
-from ti_core import AlwaysSampler, inject_observer, remove_observer
+from ti_core import AlwaysSampler, inject_observer, observer_of, remove_observer
 from ti_dist import scan_ranks
 from ti_io import (
     DamagedFileError,
@@ -58,15 +58,16 @@ run_damage = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(run_damage)
 
 
-def _train(model: nn.Module, steps: int) -> None:
+def _train(model: nn.Module, steps: int, after_step: Callable[[int], None]) -> None:
     torch.manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(steps):
+    for step in range(steps):
         x = torch.randn(8, 6)
         loss = (model(x) - x[:, :2]).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
+        after_step(step)
 
 
 def _write_run(directory: Path, *, finalize: bool) -> None:
@@ -77,8 +78,18 @@ def _write_run(directory: Path, *, finalize: bool) -> None:
         directory, history_config=HistoryConfig(buffer_rows=ROWS_PER_PART, flush_seconds=None)
     )
     inject_observer(model, sink=sink, sampler=AlwaysSampler(), max_histogram_modules=1)
+    observer = observer_of(model)
+    assert observer is not None
+
+    def publish_every_third_step(step: int) -> None:
+        # Part boundaries fixed by the test, not by how fast the writer thread keeps up (a
+        # slow machine merges what gathers while it writes into fewer, larger parts).
+        if step % 3 == 2:
+            observer.drain()
+            sink.flush()
+
     try:
-        _train(model, steps=12)
+        _train(model, steps=12, after_step=publish_every_third_step)
         if not finalize:
             _flush_live_sinks()  # what a crash leaves: every row published as parts, no more
     finally:
