@@ -26,32 +26,10 @@ _CHECKED: Final[frozenset[torch.dtype]] = frozenset(
 _COMPLEX: Final[frozenset[torch.dtype]] = frozenset(
     {torch.complex32, torch.complex64, torch.complex128}
 )
-_DOT: Final[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float64})
 _STRIDED: Final = torch.strided
-DOT_LIMIT: Final[int] = 1 << 20
-"""Largest CPU tensor checked by a dot product with zeros (the zeros are kept, one buffer of
-at most this many entries per dtype); larger ones by ``aminmax``, whose cost their own
-kernel time dwarfs."""
-_zeros: dict[torch.dtype, Tensor] = {}
-_zero_views: dict[tuple[torch.dtype, int], Tensor] = {}
-"""The zeros for each (dtype, size) met lately: slicing costs as much as a small kernel."""
-_VIEWS: Final = 256
 
 Flagged = list[tuple[int, str]]
 """``(layer, tensor_path)`` of every flagged tensor, in the order they were checked."""
-
-
-def _zero_vector(dtype: torch.dtype, numel: int) -> Tensor:
-    view = _zero_views.get((dtype, numel))
-    if view is not None:
-        return view
-    zeros = _zeros.get(dtype)
-    if zeros is None or zeros.numel() < numel:
-        zeros = _zeros[dtype] = torch.zeros(max(numel, 4096), dtype=dtype)
-    if len(_zero_views) >= _VIEWS:
-        _zero_views.clear()
-    view = _zero_views[(dtype, numel)] = zeros[:numel]
-    return view
 
 
 def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
@@ -59,21 +37,16 @@ def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
     is; empty when it cannot hold a non-finite value (integers, booleans, no entries) or is
     not a plain dense tensor.
 
-    A contiguous float32/float64 CPU tensor of up to :data:`DOT_LIMIT` entries gives one value,
-    ``x . 0`` (every product of a finite entry with 0 is 0; of an infinity or NaN, NaN): one
-    BLAS kernel, about a third of ``aminmax``'s time. Others give ``aminmax``'s two (NaN
-    propagates to both, +inf is the max, -inf the min). Neither can overflow.
+    They are ``aminmax``'s two (NaN propagates to both, +inf is the max, -inf the min): one
+    read of the tensor, which cannot overflow. (A dot product with a vector of zeros, tried
+    for CPU tensors, costs about twice as much inside a training step as alone: its second
+    operand evicts the step's own data from the cache.)
     """
+    if tensor.layout is not _STRIDED or not tensor.numel():
+        return ()
+    # ``.data`` of a plain tensor: a detached alias without ``detach()``'s autograd bookkeeping
+    values = tensor.data if type(tensor) is Tensor else tensor.detach()
     dtype = tensor.dtype
-    if tensor.layout is not _STRIDED:
-        return ()
-    numel = tensor.numel()
-    if not numel:
-        return ()
-    if tensor.is_cpu and dtype in _DOT and numel <= DOT_LIMIT and tensor.is_contiguous():
-        # ``.data``: a detached alias without the cost of ``detach()``'s autograd bookkeeping
-        return (torch.dot(tensor.data.view(-1), _zero_vector(dtype, numel)),)
-    values = tensor.detach()
     if dtype in _CHECKED:
         pass
     elif dtype in _COMPLEX:
@@ -174,4 +147,4 @@ class PendingRead:
         return self._flags._flagged(bad)
 
 
-__all__ = ["DOT_LIMIT", "Flagged", "Flags", "PendingRead", "flag_values"]
+__all__ = ["Flagged", "Flags", "PendingRead", "flag_values"]
