@@ -22,7 +22,7 @@ import pytest
 from _io_helpers import Synth, make_run
 
 from ti_io import DirectorySink, HistoryConfig, consolidate
-from ti_io.cli import main
+from ti_io.cli import PLUGIN_PACKAGES, main, missing_command, plugin_commands
 from ti_io.cli.status import EXIT_CODES
 from ti_io.cli.version import TI_DISTRIBUTIONS
 from ti_io.progress import BAR_DELAY_S, TerminalProgress
@@ -208,3 +208,24 @@ def test_progress_goes_to_stderr_only_when_asked_or_on_a_terminal(
         bar(1, 3)
         bar(3, 3)
     assert silent.getvalue() == ""
+
+
+def test_a_command_of_another_package_names_the_package_to_install(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``ti drift`` comes with ti-dist (the ``ti.commands`` entry points); without it, or when it
+    fails to load, ``ti drift`` says which package to install instead of "invalid choice"."""
+    assert PLUGIN_PACKAGES["drift"] == "ti-dist"
+    missing = missing_command(["drift", "RUN"], [], {})
+    assert missing == "ti drift: this command comes with ti-dist; install it: pip install ti-dist"
+    broken = missing_command(["drift", "RUN"], [], {"drift": "ImportError: boom"})
+    assert broken == (
+        "ti drift: ti-dist is installed but its command failed to load: ImportError: boom"
+    )
+    assert missing_command(["drift", "RUN"], ["drift"], {}) is None
+    assert missing_command(["summary", "RUN"], [], {}) is None
+    # As installed here: the command runs when ti-dist is, and is named when it is not.
+    installed = "drift" in plugin_commands()[0]
+    assert main(["drift", "--help"]) == (0 if installed else 2)
+    captured = capsys.readouterr()
+    assert ("RUN_DIR" in captured.out) if installed else ("pip install ti-dist" in captured.err)

@@ -23,7 +23,7 @@ import pytest
 from ti_io import consolidate, scan_history
 from ti_io.cli import main
 from ti_io.read.summary import summary_table
-from ti_schema import DEFAULT_METRICS, DEFAULT_SIGNALS, PARAMETER_SIGNALS, SIGNALS
+from ti_schema import DEFAULT_METRICS, DEFAULT_SIGNALS, PARAMETER_SIGNALS, SIGNALS, parse_metadata
 from ti_schema.layout import (
     EVENT_PARTS,
     EVENTS_FILE,
@@ -175,7 +175,14 @@ def test_consolidating_the_live_run_gives_the_finalized_run(
     assert not (live / EVENT_PARTS).exists()
     for name in (HISTORY_FILE, "histograms.parquet"):
         assert pq.read_table(live / name).equals(pq.read_table(final / name)), name
-        assert pq.read_schema(live / name).equals(pq.read_schema(final / name), True), name
+        consolidated, finalized = pq.read_schema(live / name), pq.read_schema(final / name)
+        assert consolidated.remove_metadata().equals(finalized.remove_metadata(), True), name
+        facts, final_facts = parse_metadata(consolidated), parse_metadata(finalized)
+        # the telemetry cost is reported at removal: the copy of the live run never got one
+        assert "telemetry_cost" not in facts
+        assert "telemetry_cost" in final_facts or name != HISTORY_FILE
+        final_facts.pop("telemetry_cost", None)
+        assert facts == final_facts, name
     assert (live / RESULT_FILE).read_bytes() == (final / RESULT_FILE).read_bytes()
     assert pq.read_table(live / EVENTS_FILE).equals(pq.read_table(final / EVENTS_FILE))
     assert main(["validate", str(live)]) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ti_core.aligned_sampling import AlignedSampler
 from ti_core.api import (
     has_observer,
     inject_observer,
@@ -10,6 +11,7 @@ from ti_core.api import (
     remove_observer,
     trigger_capture,
 )
+from ti_core.budget import BudgetSampler
 from ti_core.errors import (
     ErrorPolicyName,
     MissingProviderError,
@@ -19,13 +21,22 @@ from ti_core.errors import (
 from ti_core.memory_sink import MemorySink
 from ti_core.ranks import RankPolicy, RankSelection
 from ti_core.reduction.plan import DefaultProfile, Reducer, default_reducers
-from ti_core.sampling import AlwaysSampler, EveryNForwardsSampler, Sampler, TimedSampler
+from ti_core.sampling import (
+    AheadSchedule,
+    AlwaysSampler,
+    EveryNForwardsSampler,
+    Sampler,
+    TimedSampler,
+)
 from ti_core.selection import leaf_modules
 from ti_core.sentinel import Event, Sentinel
-from ti_core.sink import LayerInfo, RunInfo, Sink, SinkCapabilities
+from ti_core.sink import LayerInfo, RunCost, RunInfo, Sink, SinkCapabilities
 
 __all__ = [
+    "AheadSchedule",
+    "AlignedSampler",
     "AlwaysSampler",
+    "BudgetSampler",
     "DefaultProfile",
     "ErrorPolicyName",
     "Event",
@@ -37,6 +48,7 @@ __all__ = [
     "RankPolicy",
     "RankSelection",
     "Reducer",
+    "RunCost",
     "RunInfo",
     "Sampler",
     "Sentinel",

@@ -16,10 +16,11 @@ from typing import Final, Literal, TypedDict, Unpack
 
 from torch import nn
 
-from ti_core import legacy, preemption, resolve
+from ti_core import aligned_sampling, legacy, preemption, resolve
 from ti_core.capture.hooks import scrub_copied_hooks
 from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.compiled.support import check_compiled_model
+from ti_core.cost import CostMeter, MeteredSampler
 from ti_core.emission.sinks import read_capabilities
 from ti_core.errors import ErrorPolicy, ErrorPolicyName, ObserverAlreadyAttachedError
 from ti_core.observer import Observer
@@ -280,6 +281,13 @@ def inject_observer(
     ranks = resolve.select_rank(policy)
     if not ranks.observe:
         return
+    # The run's telemetry cost (ti_core.cost): a sampler that reads it is bound before any
+    # wrapper (rank alignment) hides it.
+    meter = CostMeter()
+    if isinstance(chosen_sampler, MeteredSampler):
+        chosen_sampler.bind_meter(meter)
+    described_sampler = repr(chosen_sampler)
+    chosen_sampler, alignment = aligned_sampling.align(chosen_sampler, policy, ranks)
 
     producer = _producer()
     metrics = tuple(plan.metric_names)
@@ -292,7 +300,7 @@ def inject_observer(
         layers=selection.layers,
         focus_layers=tuple(selection.layers[i].name for i in selection.focus),
         metrics=metrics,
-        sampler=repr(chosen_sampler),
+        sampler=described_sampler,
         rank_subdir=ranks.subdir,
         settings={
             "error_policy": errors.name,
@@ -303,6 +311,7 @@ def inject_observer(
             "signals": ",".join(chosen_signals),
             **({"sentinel": repr(chosen_sentinel)} if chosen_sentinel is not None else {}),
             **adapted.notes,
+            **alignment,
             **({"precision": ",".join(check_formats(precision))} if precision else {}),
             **(
                 {"update_budget_bytes": str(update_budget_bytes)}
@@ -349,6 +358,7 @@ def inject_observer(
         signals=chosen_signals,
         update_budget_bytes=update_budget_bytes,
         sentinel=chosen_sentinel,
+        meter=meter,
     )
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)

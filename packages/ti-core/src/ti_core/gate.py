@@ -45,6 +45,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from types import FrameType
@@ -58,6 +59,7 @@ from ti_core.capture.sample import Sample
 from ti_core.compiled import operators
 from ti_core.compiled.sites import Sites
 from ti_core.compiled_gate import CompiledGate
+from ti_core.cost import CostMeter
 from ti_core.errors import ErrorPolicy
 from ti_core.hook_installation import HookInstallation
 from ti_core.optimizer_hooks import OptimizerHooks
@@ -115,6 +117,7 @@ class Gate(CompiledGate):
         parameters: ParameterCapture | None = None,
         call_overrides: bool = True,
         sentinel: FlightRecorder | None = None,
+        meter: CostMeter | None = None,
     ) -> None:
         self._root_layer = root_layer
         self._sampler = sampler
@@ -149,6 +152,11 @@ class Gate(CompiledGate):
         # forward, so per-module capture stays installed from attach to close.
         self._sentinel = sentinel
         self._flags.sentinel = sentinel is not None
+        # The run's step times (ti_core.cost): one clock read per outermost root forward,
+        # after its decision (and, unsampled, after capture is removed) so that the work a
+        # sample leaves for the next forward falls in the sampled step.
+        self._meter = meter
+        self._clock = meter.clock if meter is not None else time.perf_counter
 
     # ------------------------------------------------------------------ observable state
 
@@ -297,12 +305,17 @@ class Gate(CompiledGate):
             self._flags.sampled = sampled  # what a compiled frame run next specializes on
             if self._sentinel is not None:
                 self._sentinel.begin(index)
+            meter = self._meter
             if not sampled:
                 if self._state is _CAPTURING and not self._in_flight and self._sentinel is None:
                     with self._lock:
                         if self._state is _CAPTURING and not self._in_flight:
                             self._remove_capture_locked()
+                if meter is not None:
+                    meter.forward(self._clock(), False)
                 return
+            if meter is not None:
+                meter.forward(self._clock(), True)
             self._start_sample(local, index)
         except Exception as error:
             self._errors.handle(SAMPLING, error)

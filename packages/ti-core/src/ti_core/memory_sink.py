@@ -6,7 +6,7 @@ import threading
 
 import pyarrow as pa
 
-from ti_core.sink import Barrier, RunInfo, SinkCapabilities
+from ti_core.sink import Barrier, RunCost, RunInfo, SinkCapabilities
 from ti_schema import events_schema, histogram_schema, history_schema
 
 
@@ -28,6 +28,8 @@ class MemorySink:
         self.open_count = 0
         self.close_count = 0
         self._barriers: list[Barrier] = []
+        self.cost: RunCost | None = None
+        """The latest telemetry cost of the run (``write_cost``; final once closed)."""
 
     @property
     def run(self) -> RunInfo | None:
@@ -56,6 +58,11 @@ class MemorySink:
         with self._lock:
             self._events.append(batch)
 
+    def write_cost(self, cost: RunCost) -> None:
+        """Keep the run's latest telemetry cost as :attr:`cost` (declared in
+        :meth:`capabilities`)."""
+        self.cost = cost
+
     def events(self) -> pa.Table:
         """Every ``ti.events`` row received so far (an empty table with the schema if none)."""
         with self._lock:
@@ -71,11 +78,12 @@ class MemorySink:
     def capabilities(self) -> SinkCapabilities:
         """Writes may come from the observer's emission worker (they append under a lock);
         reads wait for the signals it has queued (``attach_barrier``); it keeps the run's
-        events (``write_events``)."""
+        events (``write_events``) and its telemetry cost (``write_cost``)."""
         return SinkCapabilities(
             background_writes=True,
             on_barrier=self.attach_barrier,
             write_events=self.write_events,
+            write_cost=self.write_cost,
         )
 
     def attach_barrier(self, barrier: Barrier) -> None:

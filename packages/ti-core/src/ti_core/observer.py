@@ -3,8 +3,9 @@
 Lifecycle: built and attached by ``inject_observer`` (sinks already open), detached by
 ``remove_observer``, which closes, in this order, the gate (every hook and override removed),
 the flight recorder (its flag reads in flight acted on), the parameter update windows still
-open (their unavailable rows emitted), the emitter (every queued signal written) and the sinks
-(each closed once). In between, the
+open (their unavailable rows emitted), the emitter (every queued signal written), hands the
+run's measured telemetry cost to the sinks (:mod:`ti_core.cost`) and closes the sinks (each
+closed once). In between, the
 gate (:mod:`ti_core.gate`) decides which root forwards are sampled and calls back here to start
 samples; capture hands each ended signal (a sample's outputs, the gradients one backward
 delivered to it, ...: :class:`~ti_core.capture.ended.EndedSignal`) to :meth:`Observer.emit`,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Collection, Sequence
+from typing import Final
 
 from torch import nn
 
@@ -26,6 +28,7 @@ from ti_core.capture.parameters import ParameterCapture
 from ti_core.capture.sample import Sample
 from ti_core.capture.snapshots import SnapshotPool
 from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
+from ti_core.cost import CostMeter
 from ti_core.emission.emitters import BackgroundEmitter, Emitter, InlineEmitter
 from ti_core.emission.sinks import SinkFanout
 from ti_core.emission.writer import SignalWriter
@@ -37,6 +40,8 @@ from ti_core.sampling import Sampler
 from ti_core.sentinel import DenseSampler, FlightRecorder, Sentinel
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
 from ti_schema import DEFAULT_SIGNALS, PARAMETER_SIGNALS, events_schema
+
+_COST: Final = "telemetry cost measurement"
 
 
 class Observer:
@@ -60,6 +65,7 @@ class Observer:
         signals: Collection[str] = DEFAULT_SIGNALS,
         update_budget_bytes: int = DEFAULT_UPDATE_BUDGET_BYTES,
         sentinel: Sentinel | None = None,
+        meter: CostMeter | None = None,
     ) -> None:
         self.run = run
         self.signals = frozenset(signals)
@@ -72,6 +78,10 @@ class Observer:
         self._memo = StructureMemo()
         self.sinks = SinkFanout(sinks, capabilities, errors)
         """Every sink of the run: all writes, and the one close of each."""
+        self.meter = meter if meter is not None else CostMeter()
+        """The run's step times and telemetry cost (:mod:`ti_core.cost`; started at attach).
+        ``inject_observer`` creates it and binds it to a sampler that reads it;
+        the emission worker tells it when it works."""
         writer = SignalWriter(columns, self.sinks, errors)
         self._emitter: Emitter = (
             BackgroundEmitter(
@@ -79,6 +89,7 @@ class Observer:
                 errors,
                 name=f"ti-core emission {run.run_id}",
                 max_bytes=SNAPSHOT_BUDGET_BYTES,
+                activity=self.meter,
             )
             if background
             else InlineEmitter(writer)
@@ -114,6 +125,7 @@ class Observer:
             parameters=self.parameters,
             call_overrides=not any(isinstance(m, nn.DataParallel) for m in root.modules()),
             sentinel=self.recorder if sentinel is not None else None,
+            meter=self.meter,
         )
         """Sampling decisions and every hook of this observer."""
         self.recorder.bind_latest(self.gate.current_index)
@@ -151,7 +163,9 @@ class Observer:
     # ------------------------------------------------------------------ attach / detach
 
     def attach(self, root: nn.Module) -> None:
-        """Install the root hooks; give sinks that serve reads the emitter's barrier."""
+        """Install the root hooks; give sinks that serve reads the emitter's barrier; the
+        run's wall time starts."""
+        self.meter.start()
         self.gate.attach(root)
         barrier = self._emitter.barrier()
         if barrier is not None:
@@ -167,6 +181,7 @@ class Observer:
     def detach(self) -> list[tuple[Sink, Exception]]:
         """Remove every hook and override, write what is queued, close every sink once;
         return the close failures (for the caller to report once the model is clean)."""
+        stopped_at = self.meter.clock()  # the run's wall time ends here: removal is not in it
         self.gate.close()
         self.recorder.close()
         self._leaf_hooks.close()
@@ -176,11 +191,27 @@ class Observer:
         self._emitter.close()  # writes every queued signal first: nothing measured is lost
         if self._errors.has_deferred:
             self._errors.report_deferred()
+        self.report_cost(now=stopped_at)
         return self.sinks.close()
+
+    def report_cost(self, *, now: float | None = None, exiting: bool = False) -> None:
+        """Hand the run's telemetry cost until ``now`` (the meter's clock; default: now) to
+        the sinks that declared ``write_cost`` (``exiting``: from the end-of-process flush,
+        without the fan-out's lock)."""
+        if not self.sinks.want_cost:
+            return
+        try:
+            cost = self.meter.cost(now)
+        except Exception as error:
+            self._errors.handle(_COST, error)
+            return
+        self.sinks.write_cost(cost, exiting=exiting)
 
     # ------------------------------------------------------------------ SampleOwner (the gate)
 
     def start_sample(self, sample_id: int, forward_index: int) -> Sample:
+        if self.sinks.want_cost and self.meter.report_due():
+            self.report_cost()  # a run killed without removal keeps a recent figure
         parameters = None
         if self.parameters is not None:
             parameters = self.parameters.start(sample_id, forward_index)

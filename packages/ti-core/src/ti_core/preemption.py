@@ -194,6 +194,10 @@ def _publish_one(observer: Observer, reason: str) -> None:
             observer.drain()
         except Exception as error:  # error_policy="raise" re-raises a worker's failure here
             _say(f"ti-core: {reason}: writing the queued signals failed: {error!r}")
+    try:
+        observer.report_cost(exiting=True)  # the latest figure, published with the flush
+    except Exception as error:  # error_policy="raise": nobody is left to raise to
+        _say(f"ti-core: {reason}: reporting the telemetry cost failed: {error!r}")
     for sink, failure in observer.sinks.flush():
         try:
             observer.sinks.report(sink, "flushing", failure)

@@ -15,6 +15,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
+_SHORTEST_FORWARD = 1e-9
+"""Seconds per forward below which a measurement is taken as this (a clock's resolution)."""
+
 DEFAULT_INTERVAL = timedelta(minutes=1)
 """The default ``interval=`` of ``inject_observer`` (compared by identity to detect 'not given')."""
 
@@ -27,6 +30,30 @@ class Sampler(Protocol):
     """
 
     def should_sample(self, forward_index: int) -> bool: ...
+
+
+@runtime_checkable
+class AheadSchedule(Sampler, Protocol):
+    """A sampler that can also say in advance which root forward it samples next.
+
+    In a ``torch.distributed`` job where several ranks observe, a sampler implementing this
+    (``TimedSampler``, and any sampler of yours) is aligned across ranks
+    (:class:`ti_core.aligned_sampling.AlignedSampler`): one rank, the leader, asks it for the
+    next sampled index ahead of time and publishes it through the process group's store, so that
+    every rank samples the same root forwards. Its own ``should_sample`` is used only without
+    alignment (one process, or after a fallback).
+    """
+
+    def next_index(self, sampled_index: int, seconds_per_forward: float) -> int:
+        """The index of the root forward sampled after ``sampled_index`` (greater than it).
+
+        ``seconds_per_forward``: the leader's measured wall time per root forward (positive and
+        finite), averaged over the forwards since its previous sample and including that
+        sample's cost. Called on the leader only, on the training thread, in order, each index
+        once: with 0 and then with the index that returned, both at forward 1; then, at each
+        sample, with the index of the sample after it (decided, not run yet: one sample ahead).
+        """
+        ...
 
 
 class AlwaysSampler:
@@ -114,6 +141,12 @@ class TimedSampler:
             periods = math.floor((now - self._start) / self.seconds) + 1
             self._next = self._start + periods * self.seconds
             return True
+
+    def next_index(self, sampled_index: int, seconds_per_forward: float) -> int:
+        """The first forward at least one interval after ``sampled_index``, at
+        ``seconds_per_forward`` (:class:`AheadSchedule`)."""
+        step = max(seconds_per_forward, _SHORTEST_FORWARD)
+        return sampled_index + max(1, math.ceil(self.seconds / step - 1e-9))
 
     def __repr__(self) -> str:
         return f"TimedSampler(interval={self.seconds:g}s)"

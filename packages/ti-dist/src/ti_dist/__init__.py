@@ -2,8 +2,10 @@
 
 ``rank_policy="rank0"`` (the default of ``ti_core.inject_observer``) and ``rank_policy="all"``
 resolve to :class:`Rank0Only` and :class:`AllRanks` through the ``ti.rank_policies`` entry points.
-The readers (``scan_ranks``, ``compare_ranks``, ``combine_shards``, ``events_across_ranks``,
-``first_event``, ...) import Polars on first use, so resolving a policy on a training rank does not.
+The readers (``scan_ranks``, ``compare_ranks``, ``replica_drift``, ``first_drift``,
+``combine_shards``, ``events_across_ranks``, ``first_event``, ...) import Polars on first use,
+so resolving a policy on a training rank does not. ``ti drift`` (:mod:`ti_dist.drift_command`)
+joins ti-io's ``ti`` through the ``ti.commands`` entry points.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ti_dist.policies import AllRanks, Rank0Only, Ranks, rank_subdir
 
 if TYPE_CHECKING:
     from ti_dist.compare import compare_ranks
+    from ti_dist.drift import Drift, first_drift, replica_drift
     from ti_dist.events import events_across_ranks, first_event
     from ti_dist.reading import (
         HistorySource,
@@ -28,6 +31,9 @@ if TYPE_CHECKING:
 _LAZY = {
     "combine_shards": "ti_dist.shards",
     "compare_ranks": "ti_dist.compare",
+    "Drift": "ti_dist.drift",
+    "first_drift": "ti_dist.drift",
+    "replica_drift": "ti_dist.drift",
     "events_across_ranks": "ti_dist.events",
     "first_event": "ti_dist.events",
     "HistorySource": "ti_dist.reading",
@@ -38,6 +44,7 @@ _LAZY = {
 
 __all__ = [
     "AllRanks",
+    "Drift",
     "HistorySource",
     "Rank0Only",
     "RankDetectionError",
@@ -49,8 +56,10 @@ __all__ = [
     "detect_rank",
     "events_across_ranks",
     "find_history_sources",
+    "first_drift",
     "first_event",
     "rank_subdir",
+    "replica_drift",
     "scan_ranks",
 ]
 

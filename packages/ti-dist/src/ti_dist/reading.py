@@ -13,13 +13,16 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import polars as pl
 
 from ti_io.integrity import verify_files
 from ti_io.read.frames import plain_strings
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_parts, list_rank_dirs
+
+if TYPE_CHECKING:
+    from ti_io.storage import RunLocation
 
 _ENGINE_ARGUMENT_SINCE: Final[tuple[int, int]] = (1, 25)
 """Polars release that replaced ``collect(streaming=True)`` by ``collect(engine="streaming")``."""
@@ -75,7 +78,25 @@ def _scan(source: HistorySource) -> pl.LazyFrame:
     return plain_strings(pl.scan_parquet([str(p) for p in source.files]))
 
 
-def scan_ranks(output_dir: str | os.PathLike[str]) -> pl.LazyFrame:
+def _scan_remote(location: RunLocation) -> pl.LazyFrame:
+    # One listing of the whole prefix, every rank-NNN/ included (ti_io.read.remote).
+    from ti_io.read.remote import list_run, scan_objects
+
+    objects = list_run(location)
+    frames = []
+    for folder in ["", *(folder for _, folder in objects.rank_dirs())]:
+        names, _ = objects.history(folder)
+        if names:
+            frames.append(plain_strings(scan_objects(objects, names)))
+    if not frames:
+        raise FileNotFoundError(
+            f"no history found under output_dir {objects.uri()!r}: expected "
+            f"{HISTORY_FILE} or {HISTORY_PARTS}/ parts in it or in its rank-NNN/ prefixes"
+        )
+    return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
+
+
+def scan_ranks(output_dir: str | os.PathLike[str] | RunLocation) -> pl.LazyFrame:
     """One LazyFrame over every rank's ``ti.history`` rows under ``output_dir``.
 
     Reads ``rank-NNN/history.parquet`` of each rank, or, when the final file is absent (a live
@@ -89,7 +110,18 @@ def scan_ranks(output_dir: str | os.PathLike[str]) -> pl.LazyFrame:
     query itself is lazy: Polars reads only the columns and row groups it needs. Raises
     ``FileNotFoundError`` naming ``output_dir`` when no history is found,
     ``ti_io.DamagedFileError`` for a damaged file.
+
+    ``output_dir`` may be on object storage (``s3://bucket/run``, ``gs://...``, or a
+    ``ti_io.RunLocation``): every rank's objects are found with one recursive listing of the
+    prefix (a few list calls for hundreds of ranks), verified the same way and read through
+    pyarrow's filesystem.
     """
+    from ti_io.read.remote import local_path, remote_location
+
+    remote = remote_location(output_dir)
+    if remote is not None:
+        return _scan_remote(remote)
+    output_dir = local_path(output_dir)
     sources = find_history_sources(output_dir)
     if not sources:
         raise FileNotFoundError(

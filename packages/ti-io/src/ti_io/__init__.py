@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ti_io.read.events import read_events, scan_events
     from ti_io.read.history import scan_history
     from ti_io.read.legacy_layout import LegacyRunError, legacy_reason
+    from ti_io.storage import RunLocation, StorageError, resolve_location
     from ti_io.write.directory_sink import DirectorySink
     from ti_io.write.tags import histogram_tag
     from ti_io.write.tensorboard_sink import TensorBoardSink
@@ -57,8 +58,10 @@ _LAZY: dict[str, str] = {
     "LegacyRunError": "ti_io.read.legacy_layout",
     "NothingToConsolidateError": "ti_io.errors",
     "ProgressCallback": "ti_io.progress",
+    "RunLocation": "ti_io.storage",
     "RunValidation": "ti_io.finish.validation",
     "ShrinkRefusedError": "ti_io.errors",
+    "StorageError": "ti_io.storage",
     "TensorBoardSink": "ti_io.write.tensorboard_sink",
     "UpgradeError": "ti_io.finish.upgrade",
     "Upgraded": "ti_io.finish.upgrade",
@@ -70,6 +73,7 @@ _LAZY: dict[str, str] = {
     "legacy_reason": "ti_io.read.legacy_layout",
     "open_runs": "ti_io.read.compare",
     "read_events": "ti_io.read.events",
+    "resolve_location": "ti_io.storage",
     "scan_events": "ti_io.read.events",
     "scan_history": "ti_io.read.history",
     "unshared": "ti_io.read.compare",
@@ -91,8 +95,10 @@ __all__ = [
     "LegacyRunError",
     "NothingToConsolidateError",
     "ProgressCallback",
+    "RunLocation",
     "RunValidation",
     "ShrinkRefusedError",
+    "StorageError",
     "TensorBoardSink",
     "UpgradeError",
     "Upgraded",
@@ -104,6 +110,7 @@ __all__ = [
     "legacy_reason",
     "open_runs",
     "read_events",
+    "resolve_location",
     "scan_events",
     "scan_history",
     "unshared",

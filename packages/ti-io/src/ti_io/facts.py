@@ -2,7 +2,11 @@
 
 At ``open`` the sink writes ``history.parts/run.json`` (everything in ``RunInfo`` but the layer
 catalog, plus the window length and the writing process) so that ``consolidate`` can finish a
-crashed run with the same settings. The catalog itself is result.json, written at open too.
+crashed run with the same settings; the sink rewrites it with each telemetry cost figure the
+observer hands it (``telemetry_cost``: at removal, before a flush, at most once a minute), so a
+crashed run keeps its latest one. The catalog itself is result.json, written at open too. Once
+finalized, the window and the telemetry cost are run facts of the ``ti`` footer of
+``history.parquet`` (contract 1.1 / 1.4).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any, Protocol
 
 from ti_io.damaged import SkippedPart, read_skipped
 from ti_io.publishing import publish_text
+from ti_io.storage import RunLocation
+from ti_schema.cost import RunCost
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, RESULT_FILE, RUN_FILE
 from ti_schema.sink import RunInfo
 
@@ -62,6 +68,8 @@ class RunFacts:
     skipped: tuple[SkippedPart, ...] = ()
     """Damaged parts a consolidation left out (``damaged/skipped.json``): the history has a
     gap where they were."""
+    telemetry_cost: RunCost | None = None
+    """The run's measured telemetry cost, its latest figure (None: never reported)."""
 
     @classmethod
     def from_run(cls, run: RunInfo, window: int) -> RunFacts:
@@ -95,6 +103,7 @@ class RunFacts:
             "settings": dict(self.settings),
             "pid": self.pid,
             "host": self.host,
+            "telemetry_cost": self.telemetry_cost.to_doc() if self.telemetry_cost else None,
         }
         return json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
@@ -115,7 +124,7 @@ def _str_tuple(value: Any) -> tuple[str, ...]:
     return tuple(v for v in value if isinstance(v, str))
 
 
-def write_run_file(directory: Path, facts: RunFacts) -> None:
+def write_run_file(directory: Path | RunLocation, facts: RunFacts) -> None:
     publish_text(directory / HISTORY_PARTS / RUN_FILE, facts.to_json())
 
 
@@ -144,25 +153,25 @@ def read_catalog(directory: Path) -> tuple[CatalogLayer, ...] | None:
     return tuple(layers)
 
 
-def footer_window(directory: Path) -> int | None:
-    """The ``window`` run fact in the ``ti`` footer of a finalized ``history.parquet`` (contract
-    1.1), or None (no such file, a 1.0 file, or unreadable)."""
+def _footer(directory: Path) -> dict[str, Any]:
+    """The ``ti`` footer of a finalized ``history.parquet`` ({} when there is none or it is
+    unreadable)."""
     import pyarrow.parquet as pq
 
     from ti_schema import parse_metadata
 
     try:
-        window = parse_metadata(pq.read_metadata(directory / HISTORY_FILE).metadata).get("window")
+        return parse_metadata(pq.read_metadata(directory / HISTORY_FILE).metadata)
     except (OSError, ValueError):
-        return None
-    return window if isinstance(window, int) and not isinstance(window, bool) else None
+        return {}
 
 
 def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
     """Facts of the run in ``directory`` from run.json and result.json (best effort: missing or
     malformed files give unknown facts; a failing read raises); once the run is finalized
     (run.json retired), its window from the footer of history.parquet; the damaged parts a
-    consolidation skipped, from ``damaged/skipped.json``."""
+    consolidation skipped, from ``damaged/skipped.json``; the telemetry cost from run.json, or
+    from the footer once finalized."""
     try:
         doc = json.loads((directory / HISTORY_PARTS / RUN_FILE).read_text(encoding="utf-8"))
         if not isinstance(doc, dict):
@@ -170,7 +179,14 @@ def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
     except (FileNotFoundError, NotADirectoryError, ValueError):
         doc = {}
     settings = doc.get("settings")
-    stored_window = _opt_int(doc, "window") or footer_window(directory)
+    stored_window = _opt_int(doc, "window")
+    cost = RunCost.from_doc(doc.get("telemetry_cost"))
+    if not stored_window or cost is None:  # finalized: run.json is retired, the footer has them
+        footer = _footer(directory)
+        window_fact = footer.get("window")
+        if not stored_window and isinstance(window_fact, int) and not isinstance(window_fact, bool):
+            stored_window = window_fact
+        cost = cost or RunCost.from_doc(footer.get("telemetry_cost"))
     facts = RunFacts(
         run_id=_opt_str(doc, "run_id"),
         rank=_opt_int(doc, "rank"),
@@ -188,6 +204,7 @@ def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
         pid=_opt_int(doc, "pid"),
         host=_opt_str(doc, "host"),
         skipped=read_skipped(directory),
+        telemetry_cost=cost,
     )
     return replace(facts, window=window) if window is not None else facts
 

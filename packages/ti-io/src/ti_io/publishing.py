@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
+from ti_io import storage
+from ti_io.storage import RunLocation
 from ti_schema.layout import (
     EVENT_PARTS,
     HISTOGRAM_PARTS,
@@ -105,14 +107,26 @@ def publishing(final: Path) -> Iterator[Path]:
     fsync_dir(final.parent)
 
 
-def publish_text(final: Path, text: str) -> None:
-    """Atomically replace ``final`` with ``text`` (UTF-8)."""
+def publish_text(final: Path | RunLocation, text: str) -> None:
+    """Atomically replace ``final`` with ``text`` (UTF-8); on an object store, one object
+    (:func:`ti_io.storage.publish_text`)."""
+    if isinstance(final, RunLocation):
+        if final.local_path is None:
+            storage.publish_text(final, text)
+            return
+        final = final.local_path
     with publishing(final) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 
-def publish_with(final: Path, write: Callable[[Path], None]) -> None:
-    """Atomically replace ``final`` with what ``write(tmp_path)`` writes."""
+def publish_with(final: Path | RunLocation, write: Callable[[Path], None]) -> None:
+    """Atomically replace ``final`` with what ``write(tmp_path)`` writes; on an object store,
+    one object uploaded from a local temporary file (:func:`ti_io.storage.publish_with`)."""
+    if isinstance(final, RunLocation):
+        if final.local_path is None:
+            storage.publish_with(final, write)
+            return
+        final = final.local_path
     with publishing(final) as tmp:
         write(tmp)
 

@@ -15,6 +15,7 @@ from ti_schema.compat import (
     parse_metadata,
     parse_version,
 )
+from ti_schema.cost import COST_METHOD, RunCost
 from ti_schema.errors import MISMATCH_KINDS, Mismatch, MismatchKind, SchemaMismatchError
 from ti_schema.events import EVENT_COLUMNS, EVENT_KINDS, EventKind, empty_events, events_schema
 from ti_schema.interop import footer_metadata, large_types, polars_write_options
@@ -86,6 +87,7 @@ from ti_schema.version import SCHEMA_VERSION
 
 __all__ = [
     "COMBINE_RULES",
+    "COST_METHOD",
     "DEFAULT_METRICS",
     "DEFAULT_PROFILE",
     "DEFAULT_SIGNALS",
@@ -130,6 +132,7 @@ __all__ = [
     "PrecisionFormat",
     "RankPolicy",
     "RankSelection",
+    "RunCost",
     "RunInfo",
     "SchemaMismatchError",
     "SchemaName",

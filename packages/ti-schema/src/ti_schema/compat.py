@@ -15,6 +15,7 @@ from typing import Any, Final, TypeAlias
 
 import pyarrow as pa
 
+from ti_schema.cost import cost_problem
 from ti_schema.errors import Mismatch, SchemaMismatchError
 from ti_schema.schemas import (
     EVENTS,
@@ -28,16 +29,17 @@ from ti_schema.schemas import (
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_VERSION
 
 KNOWN_VERSIONS: Final[dict[SchemaName, tuple[str, ...]]] = {
-    HISTORY: ("1.0", "1.1", "1.2", SCHEMA_VERSION),
-    HISTOGRAMS: ("1.0", "1.1", "1.2", SCHEMA_VERSION),
-    EVENTS: (SCHEMA_VERSION,),
+    HISTORY: ("1.0", "1.1", "1.2", "1.3", SCHEMA_VERSION),
+    HISTOGRAMS: ("1.0", "1.1", "1.2", "1.3", SCHEMA_VERSION),
+    EVENTS: ("1.3", SCHEMA_VERSION),
 }
 """Every contract version this reader was written against, per schema name."""
 
 REQUIRED_KEYS: Final[tuple[str, ...]] = ("schema", "schema_version", "producer")
 """Keys every ``ti`` metadata JSON object has."""
-OPTIONAL_KEYS: Final[tuple[str, ...]] = ("window", "upgraded_from", "unrecorded")
-"""Run facts a ``ti`` metadata object may add (schema 1.1; see ``ti_schema.schema_metadata``).
+OPTIONAL_KEYS: Final[tuple[str, ...]] = ("window", "upgraded_from", "unrecorded", "telemetry_cost")
+"""Run facts a ``ti`` metadata object may add (schema 1.1; ``telemetry_cost`` 1.4, a
+:class:`~ti_schema.cost.RunCost` object; see ``ti_schema.schema_metadata``).
 Other keys are ignored, so a newer minor may add more."""
 
 _VERSION: Final[re.Pattern[str]] = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
@@ -142,6 +144,10 @@ def _fact_problems(doc: Mapping[str, Any], where: str) -> list[Mismatch]:
                 f"got {unrecorded!r}",
             )
         )
+    if "telemetry_cost" in doc:
+        problem = cost_problem(doc["telemetry_cost"])
+        if problem is not None:
+            problems.append(Mismatch("foreign_metadata", where, problem))
     return problems
 
 

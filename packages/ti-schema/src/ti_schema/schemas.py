@@ -13,12 +13,14 @@ from typing import Final, Literal, get_args
 
 import pyarrow as pa
 
+from ti_schema.cost import RunCost
 from ti_schema.signals import SIGNAL_DECLARATION, SignalDeclaration
 from ti_schema.version import SCHEMA_VERSION
 
 METADATA_KEY: Final[bytes] = b"ti"
 """The single schema-metadata key; its value is JSON ``{schema, schema_version, producer}`` plus
-the optional run facts of schema 1.1 (``window``, ``upgraded_from``, ``unrecorded``)."""
+the optional run facts of schema 1.1 (``window``, ``upgraded_from``, ``unrecorded``) and 1.4
+(``telemetry_cost``)."""
 
 SchemaName = Literal["ti.history", "ti.histograms", "ti.events"]
 """The name of a contract schema, as the ``schema`` key of the ``ti`` metadata says it."""
@@ -158,13 +160,15 @@ def schema_metadata(
     window: int | None = None,
     upgraded_from: str | None = None,
     unrecorded: Sequence[str] = (),
+    telemetry_cost: RunCost | None = None,
 ) -> dict[bytes, bytes]:
     """The ``ti`` schema-metadata entry for ``schema_name`` written by ``producer``.
 
     Optional run facts (schema 1.1, written only when given): ``window``, the observations per
     window of result.json's window means; ``upgraded_from``, the producer whose artifacts this
     data was converted from; ``unrecorded``, the :data:`UNRECORDABLE_COLUMNS` that producer
-    never recorded (they hold :data:`PLACEHOLDERS`).
+    never recorded (they hold :data:`PLACEHOLDERS`); ``telemetry_cost`` (1.4), the run's
+    measured telemetry cost (:class:`~ti_schema.cost.RunCost`).
     """
     doc: dict[str, object] = {
         "schema": check_schema_name(schema_name, "schema_metadata(schema_name)"),
@@ -187,6 +191,10 @@ def schema_metadata(
                 "may be marked unrecorded"
             )
         doc["unrecorded"] = [c for c in UNRECORDABLE_COLUMNS if c in unrecorded]
+    if telemetry_cost is not None:
+        if not isinstance(telemetry_cost, RunCost):
+            raise TypeError(f"telemetry_cost= must be a ti_schema.RunCost, got {telemetry_cost!r}")
+        doc["telemetry_cost"] = telemetry_cost.to_doc()
     return {METADATA_KEY: json.dumps(doc, separators=(",", ":")).encode()}
 
 
@@ -220,6 +228,7 @@ def history_schema(
     upgraded_from: str | None = None,
     unrecorded: Sequence[str] = (),
     signals: SignalDeclaration = SIGNAL_DECLARATION,
+    telemetry_cost: RunCost | None = None,
 ) -> pa.Schema:
     """The ``ti.history`` schema: one row per scalar measurement.
 
@@ -227,7 +236,12 @@ def history_schema(
     ``signals``: the declaration whose values the ``signal`` column's doc lists.
     """
     meta = schema_metadata(
-        HISTORY, producer, window=window, upgraded_from=upgraded_from, unrecorded=unrecorded
+        HISTORY,
+        producer,
+        window=window,
+        upgraded_from=upgraded_from,
+        unrecorded=unrecorded,
+        telemetry_cost=telemetry_cost,
     )
     return _build(_IDENTITY + _HISTORY_VALUES, meta, signals)
 

@@ -17,6 +17,8 @@ from typing import Protocol, TypeAlias, runtime_checkable
 
 import pyarrow as pa
 
+from ti_schema.cost import RunCost
+
 
 @dataclass(frozen=True)
 class LayerInfo:
@@ -84,6 +86,11 @@ class SinkCapabilities:
     thread that detected the event (the training thread, or the one that ran backward) as it
     happens. Events are rare and urgent: a file sink publishes them at once. A sink that leaves
     it None receives no events (the history rows of the dense capture still reach it)."""
+    write_cost: Callable[[RunCost], None] | None = None
+    """Accept the run's measured telemetry cost (:class:`~ti_schema.cost.RunCost`): the latest
+    figure, which replaces any earlier one. Called on the training thread at removal (before
+    ``close``), before each ``flush``, and at most once a minute at a sampled forward; it must
+    return quickly. A sink that leaves it None is not told the cost."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.background_writes, bool):
@@ -106,6 +113,11 @@ class SinkCapabilities:
                 "SinkCapabilities(write_events=...) must be a callable taking a ti.events "
                 f"RecordBatch (e.g. the sink's bound method) or None, got {self.write_events!r}"
             )
+        if self.write_cost is not None and not callable(self.write_cost):
+            raise TypeError(
+                "SinkCapabilities(write_cost=...) must be a callable taking a ti_schema.RunCost "
+                f"(e.g. the sink's bound method) or None, got {self.write_cost!r}"
+            )
 
 
 @runtime_checkable
@@ -120,9 +132,9 @@ class Sink(Protocol):
     ``capabilities(self) -> SinkCapabilities`` (the :class:`DeclaresCapabilities` protocol) may
     have its writes come from the observer's emission worker (``background_writes=True``),
     receive a barrier to wait for queued signals (``on_barrier``), be asked to publish what
-    it holds when the process is about to end (``flush``) and receive the run's ``ti.events``
-    rows (``write_events``). A sink without the method gets
-    ``SinkCapabilities()``: training-thread writes, no barrier, no flush.
+    it holds when the process is about to end (``flush``), receive the run's ``ti.events``
+    rows (``write_events``) and its measured telemetry cost (``write_cost``). A sink without the
+    method gets ``SinkCapabilities()``: training-thread writes, no barrier, no flush.
     """
 
     def open(self, run: RunInfo) -> None:

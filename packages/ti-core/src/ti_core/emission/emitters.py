@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ti_core.capture.ended import EndedSignal
-from ti_core.emission.worker import EmissionWorker
+from ti_core.emission.worker import EmissionWorker, WorkerActivity
 from ti_core.emission.writer import SignalWriter
 from ti_core.errors import ErrorPolicy
 
@@ -85,11 +85,17 @@ class BackgroundEmitter:
     """Writes signals of host tensors on one background thread, first in, first out."""
 
     def __init__(
-        self, writer: SignalWriter, errors: ErrorPolicy, *, name: str, max_bytes: int
+        self,
+        writer: SignalWriter,
+        errors: ErrorPolicy,
+        *,
+        name: str,
+        max_bytes: int,
+        activity: WorkerActivity | None = None,
     ) -> None:
         self._writer = writer
         self._errors = errors
-        self._worker = EmissionWorker(name, max_bytes=max_bytes)
+        self._worker = EmissionWorker(name, max_bytes=max_bytes, activity=activity)
 
     @property
     def thread(self) -> threading.Thread | None:

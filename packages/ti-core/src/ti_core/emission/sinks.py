@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from ti_core.errors import SINK_CONSEQUENCE, ErrorPolicy
 from ti_core.sink import Barrier, Sink, SinkCapabilities, sink_capabilities
+from ti_schema.cost import RunCost
 
 SinkAction = Literal["writing to", "flushing", "closing"]
 """What was being done to a sink when it failed (the start of the warning's stage)."""
@@ -44,6 +45,8 @@ class SinkFanout:
         self.sinks = tuple(sinks)
         self.capabilities = tuple(capabilities)
         """Each sink's declaration (:func:`read_capabilities`), in the order of ``sinks``."""
+        self.want_cost = any(declared.write_cost is not None for declared in self.capabilities)
+        """Whether any sink declared ``write_cost``."""
         self._errors = errors
         self._lock = threading.Lock()
         self._closed = False
@@ -90,6 +93,27 @@ class SinkFanout:
                     declared.write_events(batch)
                 except Exception as error:
                     self.report(sink, "writing to", error)
+
+    def write_cost(self, cost: RunCost, *, exiting: bool = False) -> None:
+        """Give the run's latest telemetry cost to every sink that declared ``write_cost``
+        (dropped once the sinks are closed). ``exiting``: for the end of a process, without the
+        lock, as :meth:`flush`."""
+        if exiting:
+            self._write_cost(cost)
+            return
+        with self._lock:
+            self._write_cost(cost)
+
+    def _write_cost(self, cost: RunCost) -> None:
+        if self._closed:
+            return
+        for sink, declared in zip(self.sinks, self.capabilities, strict=True):
+            if declared.write_cost is None:
+                continue
+            try:
+                declared.write_cost(cost)
+            except Exception as error:
+                self.report(sink, "writing to", error)
 
     def flush(self) -> list[tuple[Sink, Exception]]:
         """Ask each sink that declared ``flush`` to publish what it holds, in order; return the

@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Final
+from typing import Final, Protocol
 
 MAX_JOBS: Final[int] = 8
 """Signals queued at most; a sampled step adds two (outputs, then gradients)."""
@@ -32,11 +32,27 @@ IDLE_EXIT_S: Final[float] = 5.0
 """The thread ends after this long without a job."""
 
 
+class WorkerActivity(Protocol):
+    """Told when the worker gets work and when it runs out (the run's
+    :class:`~ti_core.cost.CostMeter`: the training-thread steps it overlaps are telemetry)."""
+
+    def worker_busy(self) -> None: ...
+
+    def worker_idle(self) -> None: ...
+
+
 class EmissionWorker:
     """One background thread running the observer's emission jobs, first in, first out."""
 
-    def __init__(self, name: str, max_bytes: int, max_jobs: int = MAX_JOBS) -> None:
+    def __init__(
+        self,
+        name: str,
+        max_bytes: int,
+        max_jobs: int = MAX_JOBS,
+        activity: WorkerActivity | None = None,
+    ) -> None:
         self._name = name
+        self._activity = activity
         self._max_bytes = max_bytes
         self._max_jobs = max_jobs
         self._cond = threading.Condition()
@@ -80,6 +96,8 @@ class EmissionWorker:
                     return False
             self._jobs.append((job, nbytes))
             self._bytes += nbytes
+            if self._activity is not None:
+                self._activity.worker_busy()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
@@ -105,6 +123,8 @@ class EmissionWorker:
                 with self._cond:
                     self._jobs.popleft()
                     self._bytes -= nbytes
+                    if not self._jobs and self._activity is not None:
+                        self._activity.worker_idle()
                     self._cond.notify_all()
 
     def drain(self) -> None:
@@ -139,4 +159,4 @@ if hasattr(os, "register_at_fork"):  # POSIX; spawned processes start clean anyw
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["MAX_JOBS", "EmissionWorker"]
+__all__ = ["MAX_JOBS", "EmissionWorker", "WorkerActivity"]

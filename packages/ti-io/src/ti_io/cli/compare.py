@@ -32,7 +32,9 @@ def add_parser(commands: Commands) -> None:
             "some run lacks are listed, never dropped."
         ),
     )
-    compare.add_argument("runs", nargs="+", metavar="RUN", help="run directories (two or more)")
+    compare.add_argument(
+        "runs", nargs="+", metavar="RUN", help="run directories or URIs (two or more)"
+    )
     compare.add_argument(
         "--layer",
         action="append",
@@ -62,7 +64,11 @@ def add_parser(commands: Commands) -> None:
     )
     machine_output(compare)
     compare.set_defaults(
-        run=run, paths=("runs",), refuses_legacy="compared", check_usage=check_usage
+        run=run,
+        paths=("runs",),
+        refuses_legacy="compared",
+        check_usage=check_usage,
+        remote_reads=("runs",),
     )
 
 

@@ -29,7 +29,9 @@ def add_parser(commands: Commands) -> None:
     summary = commands.add_parser(
         "summary", help="per-layer table of latest and aggregate values (live runs too)"
     )
-    summary.add_argument("dir", help="a run directory (the output_dir)")
+    summary.add_argument(
+        "dir", help="a run directory (the output_dir), or its URI (s3://bucket/run, gs://...)"
+    )
     summary.add_argument(
         "--layer",
         action="append",
@@ -46,7 +48,9 @@ def add_parser(commands: Commands) -> None:
         help="only this signal (repeatable)",
     )
     machine_output(summary)
-    summary.set_defaults(run=run, paths=("dir",), refuses_legacy="summarized")
+    summary.set_defaults(
+        run=run, paths=("dir",), refuses_legacy="summarized", remote_reads=("dir",)
+    )
 
 
 def _view(raw: pl.DataFrame) -> pl.DataFrame:
@@ -105,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     status = "live or unconsolidated (from history.parts)" if live else "finalized"
     facts = read_run_facts(directory)
     print(f"{directory}: {status}; recent_window_mean over the last window {facts.window} samples")
+    cost = facts.telemetry_cost
+    print(f"telemetry cost: {cost.describe() if cost is not None else 'unknown (not reported)'}")
     for line in gap_lines(facts.skipped):  # a history with a hole is never read unknowingly
         print(f"GAP: {line}")
     upgraded = upgraded_from(directory)

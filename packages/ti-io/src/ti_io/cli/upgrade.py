@@ -21,11 +21,11 @@ def add_parser(commands: Commands) -> None:
         "upgrade",
         help="convert a run written by torchinstruments 0.8.0 into a new directory",
     )
-    convert.add_argument("old_dir", help="the 0.8.0 run directory (only read)")
+    convert.add_argument("old_dir", help="the 0.8.0 run directory or its URI (only read)")
     convert.add_argument("new_dir", help="where the upgraded run goes (new or empty)")
     progress_flag(convert)
     # a 0.8.0 run is what upgrade wants: no refusal
-    convert.set_defaults(run=run, paths=("old_dir",))
+    convert.set_defaults(run=run, paths=("old_dir",), remote_reads=("old_dir",))
 
 
 def run(args: argparse.Namespace) -> int:

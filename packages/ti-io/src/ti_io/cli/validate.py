@@ -22,9 +22,14 @@ def add_parser(commands: Commands) -> None:
         help="verify every Parquet file (page checksums) and check every artifact against "
         "ti-schema; exit 1 listing damaged files and mismatches",
     )
-    validate.add_argument("dir", help="a run directory, or a directory of rank-NNN runs")
+    validate.add_argument(
+        "dir", help="a run directory, or a directory of rank-NNN runs (or its URI: s3://...)"
+    )
     validate.set_defaults(
-        run=run, paths=("dir",), refuses_legacy="validated against the current contract"
+        run=run,
+        paths=("dir",),
+        refuses_legacy="validated against the current contract",
+        remote_reads=("dir",),
     )
 
 

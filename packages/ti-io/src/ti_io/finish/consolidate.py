@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from ti_io.finish.digest import HistoryDigest
 from ti_io.finish.events import write_events_file
 from ti_io.finish.index_md import write_index
 from ti_io.finish.journal import Resumption, finalize_run, read_journal, stopped
+from ti_io.finish.object_journal import finalize_object_run, read_object_journal, stopped_on_store
 from ti_io.finish.result_json import render, write_result_json
 from ti_io.integrity import (
     DamagedFileError,
@@ -44,13 +46,17 @@ from ti_io.progress import ProgressCallback
 from ti_io.publishing import publish_with
 from ti_io.read.events import event_records
 from ti_io.read.legacy_layout import check_not_legacy
+from ti_io.remote_run import part_paths
+from ti_io.storage import RunLocation, list_names, read_text, resolve_location
 from ti_schema import histogram_schema, history_schema
 from ti_schema.layout import (
     HISTOGRAM_PARTS,
     HISTOGRAMS_FILE,
     HISTORY_FILE,
     HISTORY_PARTS,
+    RANK_DIR_PATTERN,
     RESULT_FILE,
+    RUN_FILE,
     list_parts,
     list_rank_dirs,
 )
@@ -64,7 +70,8 @@ ROW_GROUP_ROWS: Final[int] = 131_072
 class Consolidated:
     """What a finalization did."""
 
-    directory: Path
+    directory: Path | RunLocation
+    """The run (a ``RunLocation`` for a run on an object store)."""
     history_rows: int
     histogram_rows: int
     parts: int
@@ -238,21 +245,28 @@ def finalize(
 
 
 def _write_final_files(
-    directory: Path, facts: RunFacts, progress: ProgressCallback | None = None
+    directory: Path,
+    facts: RunFacts,
+    progress: ProgressCallback | None = None,
+    *,
+    shown: str | None = None,
 ) -> tuple[int, int]:
     """history.parquet, histograms.parquet, events.parquet, result.json and index.md from the
-    parts (each published atomically); returns the rows of history and histograms."""
+    parts (each published atomically); returns the rows of history and histograms. ``shown``:
+    the run's URI when ``directory`` is the local copy of a run on an object store (index.md
+    names it)."""
     history_parts = list_parts(directory / HISTORY_PARTS)
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
     on_part = _part_counter(len(history_parts) + len(histogram_parts), progress)
     producer = _producer(facts)
     digest = HistoryDigest()
     # The footer records the window of result.json's window means (a contract 1.1 run fact), so
-    # readers of the finalized run (``ti summary``) use the run's window.
+    # readers of the finalized run (``ti summary``) use the run's window, and the run's latest
+    # telemetry cost (1.4), which run.json held until now.
     history_rows = _stream_parts(
         history_parts,
         directory / HISTORY_FILE,
-        history_schema(producer, window=facts.window),
+        history_schema(producer, window=facts.window, telemetry_cost=facts.telemetry_cost),
         digest,
         on_part,
     )
@@ -274,7 +288,9 @@ def _write_final_files(
         events=events,
     )
     write_result_json(directory / RESULT_FILE, text)
-    write_index(directory, facts, digest.facts(histogram_rows), live=False, events=events)
+    write_index(
+        directory, facts, digest.facts(histogram_rows), live=False, events=events, shown=shown
+    )
     return history_rows, histogram_rows
 
 
@@ -304,12 +320,13 @@ def _alive(pid: int) -> bool:
 
 
 def consolidate(
-    output_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str] | RunLocation,
     *,
     history_config: HistoryConfig | None = None,
     force: bool = False,
     progress: ProgressCallback | None = None,
     skip_damaged: bool = False,
+    filesystem: object | None = None,
 ) -> Consolidated:
     """Finish an interrupted run: what removing the observer would have done.
 
@@ -336,21 +353,29 @@ def consolidate(
     (``FinalizationBusyError``), ``ShrinkRefusedError`` when finishing would lose rows, and
     ``FinalizationError`` when an operation fails: nothing is lost, and its message names the
     command that finishes the run.
+
+    ``output_dir`` may be an object-store URI (``s3://bucket/prefix/run``) or a path in
+    ``filesystem`` (a pyarrow or fsspec filesystem; :func:`ti_io.storage.resolve_location`):
+    the same steps run over objects (:mod:`ti_io.finish.object_journal`).
     """
-    directory = Path(output_dir)
+    location = _on_store(output_dir, filesystem)
     if history_config is not None and not isinstance(history_config, HistoryConfig):
         raise TypeError(
             "consolidate(history_config=...) takes a ti_io.HistoryConfig, "
             f"got {type(history_config).__name__}"
         )
-    if not directory.is_dir():
-        raise NothingToConsolidateError(
-            f"consolidate({str(directory)!r}): no such directory; pass the output_dir of a run"
-        )
     if not isinstance(skip_damaged, bool):
         raise TypeError(f"consolidate(skip_damaged=...) takes True or False, got {skip_damaged!r}")
     window = history_config.window if history_config is not None else None
     resumption = Resumption(force=force, window=window, skip_damaged=skip_damaged)
+    if location is not None:
+        return _consolidate_on_store(location, window, force, resumption, progress)
+    directory = output_dir.local_path if isinstance(output_dir, RunLocation) else Path(output_dir)
+    assert directory is not None
+    if not directory.is_dir():
+        raise NothingToConsolidateError(
+            f"consolidate({str(directory)!r}): no such directory; pass the output_dir of a run"
+        )
     try:
         check_not_legacy(directory, "consolidated")
         return _consolidate(directory, window, force, resumption, progress)
@@ -416,6 +441,128 @@ def _consolidate(
         progress=progress,
         skip_damaged=resumption.skip_damaged,
     )
+
+
+def _on_store(
+    output_dir: str | os.PathLike[str] | RunLocation, filesystem: object | None
+) -> RunLocation | None:
+    """The location of a run on an object store; None for a local directory (whose code path
+    stays exactly the one it was)."""
+    if isinstance(output_dir, RunLocation):
+        return None if output_dir.is_local else output_dir
+    if filesystem is None and not (isinstance(output_dir, str) and "://" in output_dir):
+        return None
+    location = resolve_location(output_dir, filesystem)
+    return None if location.is_local else location
+
+
+def finalize_on_store(
+    location: RunLocation,
+    facts: RunFacts | None = None,
+    *,
+    window: int | None = None,
+    resumption: Resumption | None = None,
+    progress: ProgressCallback | None = None,
+    skip_damaged: bool = False,
+) -> Consolidated:
+    """:func:`finalize` for a run on an object store (:mod:`ti_io.finish.object_journal`)."""
+    with _collector_paused():
+        rows, hist_rows, parts, resumed, skipped = finalize_object_run(
+            location,
+            lambda staged, run, report, shown: _write_final_files(staged, run, report, shown=shown),
+            facts,
+            window=window,
+            resumption=resumption,
+            progress=progress,
+            skip_damaged=skip_damaged,
+        )
+    return Consolidated(
+        location,
+        rows,
+        hist_rows,
+        parts,
+        resumed_from=resumed.value if resumed is not None else None,
+        skipped=tuple(s for s in skipped if isinstance(s, SkippedPart)),
+    )
+
+
+def _consolidate_on_store(
+    location: RunLocation,
+    window: int | None,
+    force: bool,
+    resumption: Resumption,
+    progress: ProgressCallback | None,
+) -> Consolidated:
+    """``consolidate`` of a run on an object store: the checks of :func:`_consolidate` over
+    objects, then :func:`finalize_on_store`."""
+    try:
+        try:
+            journal = read_object_journal(location)
+        except ValueError as exc:
+            raise FinalizationError(
+                f"cannot resume the finalization of {location}: {exc}. If {HISTORY_PARTS}/ and "
+                f"{HISTOGRAM_PARTS}/ are complete, delete it and run `ti consolidate` again.",
+                directory=str(location),
+                state=None,
+                command=None,
+            ) from None
+        has_parts = any(part_paths(location, name) for name in (HISTORY_PARTS, HISTOGRAM_PARTS))
+        if journal is None and not has_parts:
+            rows = _footer_rows(location / HISTORY_FILE)
+            if rows is not None:
+                return Consolidated(
+                    location,
+                    rows,
+                    _footer_rows(location / HISTOGRAMS_FILE) or 0,
+                    0,
+                    already_done=True,
+                )
+            ranks = [n for n in list_names(location) if RANK_DIR_PATTERN.fullmatch(n)]
+            if ranks:
+                raise NothingToConsolidateError(
+                    f"{location} holds rank-private runs ({', '.join(ranks[:4])}"
+                    f"{', ...' if len(ranks) > 4 else ''}); consolidate each rank prefix, e.g. "
+                    f"`ti consolidate {location / ranks[0]}`"
+                )
+            raise NothingToConsolidateError(
+                f"{location} holds no TorchInstruments run to consolidate: neither "
+                f"{HISTORY_PARTS}/ nor {HISTORY_FILE} is there"
+            )
+        if journal is None and not force:
+            doc = json.loads(read_text(location / HISTORY_PARTS / RUN_FILE) or "{}")
+            pid = doc.get("pid") if isinstance(doc, dict) else None
+            host = doc.get("host") if isinstance(doc, dict) else None
+            if (
+                isinstance(pid, int)
+                and pid != os.getpid()
+                and host == socket.gethostname()
+                and _alive(pid)
+            ):
+                raise RuntimeError(
+                    f"{location} is still being written by process {pid} on this host; "
+                    "remove the observer in that process (it finalizes the run), or pass "
+                    "force=True (`ti consolidate --force`) if that process is not the writer "
+                    "any more"
+                )
+    except (FinalizationError, NothingToConsolidateError, RuntimeError):
+        raise
+    except (OSError, ValueError) as exc:  # reading the run before finalizing: nothing changed
+        raise stopped_on_store(location, "reading the run", exc, resumption) from exc
+    return finalize_on_store(
+        location,
+        window=window,
+        resumption=resumption,
+        progress=progress,
+        skip_damaged=resumption.skip_damaged,
+    )
+
+
+def _footer_rows(location: RunLocation) -> int | None:
+    try:
+        with location.filesystem.open_input_file(location.path) as source:
+            return int(pq.read_metadata(source).num_rows)
+    except FileNotFoundError:
+        return None
 
 
 def _already_done(directory: Path) -> Consolidated:

@@ -20,6 +20,7 @@ from typing import Any, Final
 from ti_io.damaged import DAMAGED_DIR, SKIPPED_FILE, gap_lines
 from ti_io.facts import RunFacts, started_at_text
 from ti_io.publishing import publish_text
+from ti_io.storage import RunLocation
 from ti_schema import (
     METRIC_DEFINITIONS,
     PRECISION_FORMATS,
@@ -69,6 +70,24 @@ class HistoryFacts:
     """(layer, signal, metric, reason, rows), most frequent first, truncated."""
     unavailable_total: int = 0
     histograms: int | None = None
+
+
+def cost_line(facts: RunFacts) -> str:
+    """``Telemetry cost: ...``: the run's measured cost (docs/capture.md, "Sampling"), or why it
+    is unknown."""
+    cost = facts.telemetry_cost
+    if cost is None:
+        return (
+            "Telemetry cost: unknown (the run ended before its observer reported one: killed "
+            "before a sampled forward a minute in, or written by an older producer)."
+        )
+    if cost.fraction is None:
+        return f"Telemetry cost: {md_escape(cost.describe())}."
+    return (
+        f"Telemetry cost: {md_escape(cost.describe())}; measured on the training thread as "
+        f"{md_escape(cost.method)} over {cost.measured_sampled_steps} sampled steps "
+        '(docs/capture.md, "What telemetry cost the run").'
+    )
 
 
 def _fence(lines: Sequence[str], info: str = "text") -> list[str]:
@@ -127,7 +146,7 @@ def _example_layers(facts: RunFacts, data: HistoryFacts | None) -> tuple[str, li
     return first, compare
 
 
-def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> list[str]:
+def _queries(directory: Path | str, facts: RunFacts, data: HistoryFacts | None) -> list[str]:
     layer, compare = _example_layers(facts, data)
     metric = "std" if "std" in facts.metrics or not facts.metrics else facts.metrics[0]
     formats = [f for f in PRECISION_FORMATS if f"underflow_fraction.{f}" in facts.metrics]
@@ -284,7 +303,7 @@ def _queries(directory: Path, facts: RunFacts, data: HistoryFacts | None) -> lis
         "# While the run is live (before removal), read the published parts instead:",
         "# from ti_io import scan_history; live = scan_history(RUN)",
     ]
-    return _fence(code, "python")
+    return _fence(_for_location(directory, code), "python")
 
 
 EVENTS_LISTED: Final[int] = 20
@@ -318,7 +337,7 @@ def _event_lines(index: int, event: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _event_queries(directory: Path, events: Sequence[Mapping[str, Any]]) -> list[str]:
+def _event_queries(directory: Path | str, events: Sequence[Mapping[str, Any]]) -> list[str]:
     code = [
         "import polars as pl",
         "from pathlib import Path",
@@ -356,11 +375,11 @@ def _event_queries(directory: Path, events: Sequence[Mapping[str, Any]]) -> list
                 "    .collect()",
                 ")",
             ]
-    return _fence(code, "python")
+    return _fence(_for_location(directory, code), "python")
 
 
 def _events_section(
-    directory: Path, events: Sequence[Mapping[str, Any]] | None, *, live: bool
+    directory: Path | str, events: Sequence[Mapping[str, Any]] | None, *, live: bool
 ) -> list[str]:
     """The events, first thing after the status: what happened, where, and the queries for
     the dense samples each set off."""
@@ -403,7 +422,7 @@ def _events_section(
 
 
 def render(
-    directory: Path,
+    directory: Path | str,
     facts: RunFacts,
     data: HistoryFacts | None,
     *,
@@ -432,7 +451,7 @@ def render(
             "",
         ]
     else:
-        lines += ["**Status: finalized.**", ""]
+        lines += ["**Status: finalized.**", "", cost_line(facts), ""]
     if facts.skipped:
         headline, *entries = gap_lines(facts.skipped)
         lines += [
@@ -591,15 +610,47 @@ def render(
 
 
 def write_index(
-    directory: Path,
+    directory: Path | RunLocation,
     facts: RunFacts,
     data: HistoryFacts | None,
     *,
     live: bool,
     events: Sequence[Mapping[str, Any]] | None = None,
+    shown: str | None = None,
 ) -> None:
-    """Publish index.md atomically."""
-    publish_text(
-        directory / "index.md",
-        render(directory.resolve(), facts, data, live=live, events=events),
-    )
+    """Publish index.md atomically (one object on an object store). ``shown``: the run's URI
+    when ``directory`` is a local copy of a run on an object store (finalization stages there);
+    the queries then read the URI."""
+    if shown is None and isinstance(directory, RunLocation) and directory.local_path is None:
+        shown = directory.uri
+    where: Path | str
+    if shown is not None:
+        where = shown
+    else:
+        local = directory.local_path if isinstance(directory, RunLocation) else directory
+        assert local is not None
+        where = local.resolve()
+    publish_text(directory / "index.md", render(where, facts, data, live=live, events=events))
+
+
+_RUN_PATH: Final[re.Pattern[str]] = re.compile(r'RUN / "([^"]+)"')
+
+
+def _for_location(directory: Path | str, code: list[str]) -> list[str]:
+    """``code`` for a run on an object store (``directory`` its URI): RUN is the URI string,
+    files are ``f"{RUN}/name"`` (Polars reads them with ``storage_options``), result.json is
+    read through ti-io. Unchanged for a local directory."""
+    if not isinstance(directory, str):
+        return code
+    out = []
+    for line in code:
+        if line.startswith("RUN = Path("):
+            line = (
+                f"RUN = {literal(directory)}  # this run on object storage (Polars: add "
+                "storage_options=, docs/reading-with-polars.md)"
+            )
+        elif '(RUN / "result.json").read_text(' in line:
+            out.append("from ti_io.storage import read_text, resolve_location")
+            line = 'records = json.loads(read_text(resolve_location(RUN) / "result.json") or "[]")'
+        out.append(_RUN_PATH.sub(r'f"{RUN}/\1"', line))
+    return out

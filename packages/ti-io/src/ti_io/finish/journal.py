@@ -73,6 +73,7 @@ from ti_io.errors import (
 )
 from ti_io.integrity import DamagedFileError, parquet_rows
 from ti_io.publishing import fsync_dir, publish_text, remove_stale_temporaries, temp_path
+from ti_io.storage import RunLocation
 from ti_schema.layout import (
     EVENT_PARTS,
     EVENTS_FILE,
@@ -134,7 +135,7 @@ class Journal:
         return json.dumps(doc, indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, path: Path) -> Journal:
+    def from_json(cls, text: str, path: Path | RunLocation) -> Journal:
         """Parse a journal; ValueError naming ``path`` and the problem when it is not one."""
         try:
             doc: Any = json.loads(text)
@@ -230,7 +231,7 @@ class Resumption:
     skip_damaged: bool = False
     """``--skip-damaged``: damaged parts were set aside (``damaged/``) by this finalization."""
 
-    def command(self, directory: Path, journal: Journal | None) -> str:
+    def command(self, directory: Path | RunLocation, journal: Journal | None) -> str:
         words = ["ti", "consolidate"]
         if self.force and journal is None:
             words.append("--force")
@@ -568,7 +569,7 @@ def _damaged(
     """The error for a finalization that met a damaged file: what is damaged, that nothing
     was changed, and (for a part) the option that finishes around it."""
     state = journal.state.value if journal is not None else None
-    if cause.path.parent.name.endswith(".parts"):
+    if Path(cause.path).parent.name.endswith(".parts"):
         skip = Resumption(resumption.force, resumption.window, skip_damaged=True)
         command = skip.command(directory, journal)
         return DamagedPartsError(

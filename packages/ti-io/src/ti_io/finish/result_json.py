@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ti_io.facts import LayerLike
 from ti_io.publishing import publish_text
+from ti_io.storage import RunLocation
 
 if TYPE_CHECKING:
     import polars as pl
@@ -76,6 +77,6 @@ def render(
     return "[\n" + ",\n".join(lines) + "\n]\n"
 
 
-def write_result_json(path: Path, text: str) -> None:
+def write_result_json(path: Path | RunLocation, text: str) -> None:
     """Publish result.json (the text of :func:`render`) atomically."""
     publish_text(path, text)

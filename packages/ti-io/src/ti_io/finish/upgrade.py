@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import hashlib
 import os
 import re
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -60,6 +61,9 @@ from ti_schema.layout import (
 )
 from ti_schema.legacy_paths import modern_path
 
+if TYPE_CHECKING:
+    from ti_io.storage import RunLocation
+
 LEGACY_PRODUCER: Final[str] = "torchinstruments 0.8.0"
 LEGACY_WINDOW: Final[int] = 20
 """0.8.0's default ``HistoryConfig.window``, used when its index.md does not state one."""
@@ -82,7 +86,8 @@ class UpgradedRun:
     """One converted run (a directory, or one ``rank-NNN`` of it)."""
 
     source: Path
-    destination: Path
+    destination: Path | str
+    """Where it was written (a URI for a run written to object storage)."""
     history_rows: int
     rank: int
     interrupted: bool
@@ -94,7 +99,8 @@ class UpgradedRun:
 class Upgraded:
     """What :func:`upgrade` wrote."""
 
-    directory: Path
+    directory: Path | str
+    """The upgraded run (a URI on object storage)."""
     runs: tuple[UpgradedRun, ...]
 
 
@@ -358,9 +364,53 @@ def _history_rows(runs: list[tuple[Path, Path, int | None]]) -> int:
     return total
 
 
+def _publish_order(relative: Path) -> tuple[int, str]:
+    # Each run's history.parquet last: a reader takes a run with it as finished.
+    return (1 if relative.name == HISTORY_FILE else 0, relative.as_posix())
+
+
+def _upgrade_to_store(
+    old_dir: str | os.PathLike[str], target: RunLocation, progress: ProgressCallback | None
+) -> Upgraded:
+    """:func:`upgrade` into an empty prefix of an object store: converted in a local
+    temporary directory, then each file published as one object that appears whole."""
+    import tempfile
+
+    from ti_io.storage import list_files, storage_error, upload_file
+
+    try:
+        occupied = list_files(target, recursive=True)
+    except OSError as exc:
+        raise storage_error(target, "listing the upgrade destination", exc) from None
+    if occupied:
+        raise UpgradeError(f"upgrade: {target.uri} already holds objects; choose a new prefix")
+    with tempfile.TemporaryDirectory(prefix="ti-upgrade-") as scratch:
+        staged = Path(scratch) / "run"
+        done = upgrade(old_dir, staged, progress=progress)
+        files = sorted(
+            (p.relative_to(staged) for p in staged.rglob("*") if p.is_file()), key=_publish_order
+        )
+        for relative in files:
+            where = target.child(relative.as_posix())
+            try:
+                upload_file(where, staged / relative)
+            except OSError as exc:
+                raise storage_error(where, "publishing the upgraded run", exc) from None
+        runs = tuple(
+            dataclasses.replace(
+                run,
+                destination=target.uri
+                if run.destination == staged
+                else target.child(Path(run.destination).relative_to(staged).as_posix()).uri,
+            )
+            for run in done.runs
+        )
+    return Upgraded(target.uri, runs)
+
+
 def upgrade(
     old_dir: str | os.PathLike[str],
-    new_dir: str | os.PathLike[str],
+    new_dir: str | os.PathLike[str] | RunLocation,
     *,
     progress: ProgressCallback | None = None,
 ) -> Upgraded:
@@ -372,8 +422,19 @@ def upgrade(
     :class:`UpgradeError` (and writes nothing) for a missing, foreign or already current
     directory, or an occupied ``new_dir``. ``progress(done, total)`` counts history rows
     converted (the ``ti`` command draws it).
+
+    ``new_dir`` may be a prefix on object storage (``s3://bucket/run``, a
+    ``ti_io.RunLocation``), which must hold no object yet: the run is converted in a local
+    temporary directory and each file published as one object (each run's
+    ``history.parquet`` last); ``old_dir`` on object storage is read by ``ti upgrade`` from
+    a local copy.
     """
-    source, target = Path(old_dir), Path(new_dir)
+    from ti_io.read.remote import local_path, remote_location
+
+    remote = remote_location(new_dir)
+    if remote is not None:
+        return _upgrade_to_store(old_dir, remote, progress)
+    source, target = Path(old_dir), local_path(new_dir)
     if not source.is_dir():
         raise UpgradeError(f"upgrade: {source} is not a directory; pass a 0.8.0 run directory")
     runs: list[tuple[Path, Path, int | None]]

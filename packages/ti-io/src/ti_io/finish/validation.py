@@ -12,8 +12,9 @@ says how many. Parts a consolidation skipped as damaged (``damaged/``) are a not
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ti_io.damaged import gap_lines, parts_dirs, read_skipped
 from ti_io.finish.journal import interrupted_finalizations
@@ -21,19 +22,24 @@ from ti_io.integrity import parquet_problem
 from ti_schema.artifacts import artifact_dir_problems
 from ti_schema.layout import RUN_FILES, list_parts, list_rank_dirs
 
+if TYPE_CHECKING:
+    from ti_io.storage import RunLocation
+
 
 @dataclass(frozen=True)
 class RunValidation:
     """What :func:`validate_run` found."""
 
-    directory: Path
+    directory: Path | str
+    """The run checked (its URI for a run on object storage)."""
     problems: tuple[str, ...]
     """One line per problem, ``PATH: what is wrong``; empty when the run is whole."""
     notes: tuple[str, ...]
     """Facts to know that are not problems (unverifiable files, interrupted finalizations,
     parts a consolidation skipped)."""
-    unverified: tuple[Path, ...]
-    """Files written without page checksums (read, but not verifiable)."""
+    unverified: tuple[Path | str, ...]
+    """Files written without page checksums (read, but not verifiable); URIs for a run on
+    object storage."""
 
     @property
     def ok(self) -> bool:
@@ -48,11 +54,41 @@ def _parquet_files(run: Path) -> list[Path]:
     return files
 
 
-def validate_run(path: str | os.PathLike[str]) -> RunValidation:
+def _validate_remote(location: RunLocation) -> RunValidation:
+    # The path-based checks run on a read-only copy; what they say names the store's URIs.
+    from ti_io.read.remote import local_copy, shown
+
+    with local_copy(location) as copy:
+        found = validate_run(copy)
+
+        def named(text: str) -> str:
+            return shown(text, copy, location.uri)
+
+    return replace(
+        found,
+        directory=location.uri,
+        problems=tuple(named(p) for p in found.problems),
+        notes=tuple(named(n) for n in found.notes),
+        unverified=tuple(named(str(p)) for p in found.unverified),
+    )
+
+
+def validate_run(path: str | os.PathLike[str] | RunLocation) -> RunValidation:
     """Check the run (or directory of ``rank-NNN`` runs) at ``path``: every Parquet file read
     whole with page checksums verified, then the contract. Live and interrupted runs are
-    checked as they stand. Raises NotADirectoryError when ``path`` is not a directory."""
-    root = Path(path)
+    checked as they stand. Raises NotADirectoryError when ``path`` is not a directory.
+
+    ``path`` may be a run on object storage (a URI such as ``s3://bucket/run``, or a
+    ``ti_io.RunLocation``): its objects are listed once and read (never written) into a private
+    temporary copy that the same checks read; problems name the objects' URIs.
+    ``FileNotFoundError`` when nothing is stored there, ``OSError`` naming the URI when the
+    store cannot be read."""
+    from ti_io.read.remote import local_path, remote_location
+
+    remote = remote_location(path)
+    if remote is not None:
+        return _validate_remote(remote)
+    root = local_path(path)
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a directory")
     runs = [child for _, child in list_rank_dirs(root)] or [root]

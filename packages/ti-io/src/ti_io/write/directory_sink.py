@@ -1,16 +1,19 @@
 """DirectorySink: the run directory (history, histograms, result.json, index.md, TensorBoard).
 
 Lifecycle (the observer owns it): constructed by the user or by ``output_dir=`` (arguments
-checked, no I/O); ``open`` claims the directory, publishes the layer catalog and index.md and
-starts the background writer (:mod:`ti_io.write.parts`, which publishes the rows on its own clock);
-``write_*`` check each batch and hand it to the writer's buffer; ``close`` stops the writer,
-which publishes what is buffered, and finalizes (see :mod:`ti_io.finish.consolidate`).
+checked, no I/O); ``open`` claims the directory (on an object store: checks the prefix holds
+no run, which also probes the bucket, the credentials and the endpoint), publishes the layer
+catalog and index.md and starts the background writer (:mod:`ti_io.write.parts`, which
+publishes the rows on its own clock); ``write_*`` check each batch and hand it to the
+writer's buffer; ``close`` stops the writer, which publishes what is buffered, and finalizes
+(see :mod:`ti_io.finish.consolidate`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import weakref
 from pathlib import Path
@@ -18,17 +21,20 @@ from typing import Final, Literal
 
 import pyarrow as pa
 
-from ti_io.config import HistoryConfig
+from ti_io.config import OBJECT_STORE_BUFFER_ROWS, OBJECT_STORE_FLUSH_SECONDS, HistoryConfig
 from ti_io.errors import ArtifactWriteError, FinalizationError
 from ti_io.facts import RunFacts, write_run_file
 from ti_io.finish.index_md import write_index
 from ti_io.finish.journal import Resumption
 from ti_io.finish.result_json import render, write_result_json
 from ti_io.publishing import present_artifacts, remove_run_artifacts
+from ti_io.remote_run import present_objects, remove_run_objects
+from ti_io.storage import RunLocation, resolve_location, storage_error
 from ti_io.write.event_parts import EventPartWriter
 from ti_io.write.parts import Lost, PartWriter, WriteFailure
-from ti_io.write.tensorboard_sink import EventFileHistograms
+from ti_io.write.tensorboard_sink import EventFileHistograms, EventFileSequence
 from ti_schema import events_schema, histogram_schema, history_schema
+from ti_schema.cost import RunCost
 from ti_schema.layout import (
     EVENT_PARTS,
     HISTOGRAM_PARTS,
@@ -39,7 +45,7 @@ from ti_schema.layout import (
 from ti_schema.sink import Barrier, RunInfo, SinkCapabilities
 
 _STRING: Final[pa.DataType] = pa.string()
-_Method = Literal["write_history", "write_histograms", "write_events", "flush"]
+_Method = Literal["write_history", "write_histograms", "write_events", "write_cost", "flush"]
 """The sink methods that need an open sink (named in their errors)."""
 
 
@@ -65,7 +71,7 @@ def _check_schema(
         )
 
 
-def _report(directory: Path, failures: list[WriteFailure]) -> ArtifactWriteError:
+def _report(directory: Path | RunLocation, failures: list[WriteFailure]) -> ArtifactWriteError:
     """One error for the failures of a run: what failed writes lost, then (when finalization
     stopped) finalization's own message, which says where the rows are and how to finish."""
     writes = [f for f in failures if f.what != "final artifacts"]
@@ -99,28 +105,54 @@ def _report(directory: Path, failures: list[WriteFailure]) -> ArtifactWriteError
 class DirectorySink:
     """Writes a run's artifacts under ``output_dir`` (docs/artifacts.md).
 
-    ``output_dir``: the run directory (``output_dir/rank-NNN`` when the run is rank-private).
-    ``history_config``: part size and result.json window. ``overwrite``: replace the artifacts
-    of a previous run in the same directory (only those; other files stay). Without it a
-    directory holding a run is refused at ``open``, before anything is touched.
+    ``output_dir``: the run directory (``output_dir/rank-NNN`` when the run is rank-private):
+    a path, or an object-store URI (``s3://bucket/prefix/run``, ``gs://...``), or a path in
+    ``filesystem`` (a ``pyarrow.fs.FileSystem`` or an fsspec filesystem;
+    :func:`ti_io.storage.resolve_location`). ``history_config``: part size and result.json
+    window (on an object store its default publishes every
+    :data:`~ti_io.config.OBJECT_STORE_FLUSH_SECONDS` s instead of every second). ``overwrite``:
+    replace the artifacts of a previous run in the same directory (only those; other files
+    stay). Without it a directory holding a run is refused at ``open``, before anything is
+    touched.
     """
 
     def __init__(
         self,
-        output_dir: str | os.PathLike[str],
+        output_dir: str | os.PathLike[str] | RunLocation,
         *,
         history_config: HistoryConfig | None = None,
         overwrite: bool = False,
+        filesystem: object | None = None,
     ) -> None:
-        if not isinstance(output_dir, str | os.PathLike):
+        if not isinstance(output_dir, str | os.PathLike | RunLocation):
             raise TypeError(
-                "DirectorySink(output_dir) takes a str or os.PathLike path, "
-                f"got {type(output_dir).__name__}"
+                "DirectorySink(output_dir) takes a str or os.PathLike path or an object-store "
+                f"URI such as 's3://bucket/prefix/run', got {type(output_dir).__name__}"
             )
         if isinstance(output_dir, str) and not output_dir:
             raise ValueError("DirectorySink(output_dir) must not be empty; pass e.g. 'stats'")
+        # A local directory keeps its Path and the local code path; only a URI, a
+        # RunLocation or a filesystem object resolve to an object-store location.
+        remote: RunLocation | None = None
+        if (
+            filesystem is not None
+            or isinstance(output_dir, RunLocation)
+            or (isinstance(output_dir, str) and "://" in output_dir)
+        ):
+            location = resolve_location(output_dir, filesystem)
+            if location.local_path is None:
+                remote = location
+            else:
+                output_dir = location.local_path
+        self._remote = remote
         if history_config is None:
-            history_config = HistoryConfig()
+            history_config = (
+                HistoryConfig(
+                    buffer_rows=OBJECT_STORE_BUFFER_ROWS, flush_seconds=OBJECT_STORE_FLUSH_SECONDS
+                )
+                if remote is not None
+                else HistoryConfig()
+            )
         if not isinstance(history_config, HistoryConfig):
             raise TypeError(
                 "DirectorySink(history_config=...) takes a ti_io.HistoryConfig, "
@@ -130,10 +162,13 @@ class DirectorySink:
             raise TypeError(
                 f"DirectorySink(overwrite=...) must be True or False, got {overwrite!r}"
             )
-        self.output_dir = Path(output_dir)
+        self.output_dir: Path | str = (
+            remote.uri if remote is not None else Path(output_dir)  # type: ignore[arg-type]
+        )
         self.history_config = history_config
         self.overwrite = overwrite
         self._directory: Path | None = None
+        self._location: RunLocation | None = None  # an object-store run, once open
         self._facts: RunFacts | None = None
         self._writer: PartWriter | None = None
         self._event_writer: EventPartWriter | None = None
@@ -145,10 +180,24 @@ class DirectorySink:
 
     @property
     def directory(self) -> Path:
-        """The run directory resolved at ``open`` (``output_dir`` or its rank subdirectory)."""
+        """The run directory resolved at ``open`` (``output_dir`` or its rank subdirectory);
+        for a run on an object store see :attr:`location`."""
         if self._directory is None:
+            if self._location is not None:
+                raise RuntimeError(
+                    f"DirectorySink.directory: {self._location} is on an object store, not a "
+                    "local directory; use DirectorySink.location"
+                )
             raise RuntimeError("DirectorySink.directory is known only after open()")
         return self._directory
+
+    @property
+    def location(self) -> RunLocation:
+        """Where the run is, resolved at ``open`` (a local directory or an object-store
+        prefix, its rank subdirectory included)."""
+        if self._location is not None:
+            return self._location
+        return resolve_location(self.directory)
 
     def __repr__(self) -> str:
         return (
@@ -162,12 +211,14 @@ class DirectorySink:
         """Writes may come from the observer's emission worker (they only buffer under a lock);
         ``flush`` and the exit flush wait for the signals it has queued (``attach_barrier``);
         the observer calls ``flush`` when the process is about to end (SIGTERM, exit); events
-        go to :meth:`write_events`, which publishes each at once."""
+        go to :meth:`write_events`, which publishes each at once; the run's telemetry cost to
+        :meth:`write_cost`."""
         return SinkCapabilities(
             background_writes=True,
             on_barrier=self.attach_barrier,
             flush=self.flush,
             write_events=self.write_events,
+            write_cost=self.write_cost,
         )
 
     def attach_barrier(self, barrier: Barrier) -> None:
@@ -181,8 +232,11 @@ class DirectorySink:
 
     def open(self, run: RunInfo) -> None:
         """Claim the directory, publish the catalog and index.md, start the writer."""
-        if self._directory is not None:
+        if self._directory is not None or self._location is not None:
             raise RuntimeError(f"{self!r} is already open; use one DirectorySink per run")
+        if self._remote is not None:
+            self._open_on_store(run)
+            return
         directory = self._resolve(run)
         if directory.exists() and not directory.is_dir():
             raise NotADirectoryError(
@@ -231,6 +285,58 @@ class DirectorySink:
         self._pid = os.getpid()
         _live_sinks.add(self)
 
+    def _open_on_store(self, run: RunInfo) -> None:
+        """``open`` for an object store: the prefix must hold no run (unless ``overwrite``);
+        run.json, result.json and index.md are published (each one object), which also
+        proves the bucket, the credentials and the endpoint before training starts. Any
+        failure is one StorageError naming the URI and what to check."""
+        assert self._remote is not None
+        subdir = self._rank_subdir(run)
+        location = self._remote.child(subdir) if subdir is not None else self._remote
+        try:
+            found = present_objects(location)
+        except OSError as exc:
+            raise storage_error(location, "listing the run's prefix", exc) from None
+        if found and not self.overwrite:
+            raise FileExistsError(
+                f"{location} already holds a TorchInstruments run ({', '.join(found)}); "
+                "choose another output_dir, delete that run, or pass "
+                "sink=DirectorySink(..., overwrite=True) to replace it"
+            )
+        facts = RunFacts.from_run(run, self.history_config.window)
+        try:
+            if found:
+                remove_run_objects(location)
+            write_run_file(location, facts)
+            write_result_json(
+                location / RESULT_FILE,
+                render(facts.layers, None, window=facts.window, metrics=facts.metrics),
+            )
+            write_index(location, facts, None, live=True)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                remove_run_objects(location)  # only what this open created
+            raise storage_error(
+                location, "writing the run's first objects (run.json, result.json, index.md)", exc
+            ) from None
+        events = EventFileSequence(location / TENSORBOARD_DIR)
+        self._history_schema = history_schema(run.producer, window=self.history_config.window)
+        self._histogram_schema = histogram_schema(run.producer)
+        self._writer = PartWriter(
+            location,
+            self._history_schema,
+            self._histogram_schema,
+            history_part_rows=self.history_config.buffer_rows,
+            histogram_part_rows=self.history_config.histogram_buffer_rows,
+            delay=self.history_config.flush_seconds,
+            events=events,
+        )
+        self._event_writer = EventPartWriter(location, events_schema(run.producer))
+        self._location = location
+        self._facts = facts
+        self._pid = os.getpid()
+        _live_sinks.add(self)
+
     def write_history(self, batch: pa.RecordBatch) -> None:
         """Buffer ``batch``; the writer publishes it within ``flush_seconds`` (or sooner, when
         ``buffer_rows`` rows are buffered).
@@ -271,6 +377,21 @@ class DirectorySink:
             writer.publish_soon()
         self._raise_failures(writer)
 
+    def write_cost(self, cost: RunCost) -> None:
+        """Keep the run's latest telemetry cost (:class:`~ti_schema.RunCost`) in its facts:
+        ``run.json`` is republished with it at once (a crashed run keeps it for ``ti
+        consolidate``), and finalization writes it into the footer of ``history.parquet`` and
+        into index.md. Called by the observer at removal, before a flush and at most once a
+        minute at a sampled forward."""
+        self._require_open("write_cost")
+        if not isinstance(cost, RunCost):
+            raise TypeError(f"DirectorySink.write_cost takes a ti_schema.RunCost, got {cost!r}")
+        where = self._location if self._location is not None else self._directory
+        assert where is not None
+        assert self._facts is not None
+        self._facts = dataclasses.replace(self._facts, telemetry_cost=cost)
+        write_run_file(where, self._facts)
+
     def flush(self) -> None:
         """Publish every row received so far as parts and wait until they are on disk.
 
@@ -299,8 +420,11 @@ class DirectorySink:
             writer.stop()
         finally:
             failures += writer.take_errors()
-        assert self._directory is not None
         assert self._facts is not None
+        if self._location is not None:
+            self._close_on_store(self._location, self._facts, failures)
+            return
+        assert self._directory is not None
         try:
             # Finalization reads with Polars: imported here, so that writing parts never does.
             from ti_io.finish.consolidate import finalize
@@ -313,18 +437,36 @@ class DirectorySink:
         if failures:
             raise _report(self._directory, failures)
 
+    def _close_on_store(
+        self, location: RunLocation, facts: RunFacts, failures: list[WriteFailure]
+    ) -> None:
+        try:
+            from ti_io.finish.consolidate import finalize_on_store
+
+            finalize_on_store(location, facts, resumption=Resumption(force=True))
+        except Exception as exc:
+            failures.append(WriteFailure(location, exc, 0, "final artifacts"))
+        if failures:
+            raise _report(location, failures)
+
     # -- internals -------------------------------------------------------------------------
 
-    def _resolve(self, run: RunInfo) -> Path:
+    @staticmethod
+    def _rank_subdir(run: RunInfo) -> str | None:
         subdir = run.rank_subdir
         if subdir is None:
-            return self.output_dir
+            return None
         if not subdir or subdir in (".", "..") or "/" in subdir or "\\" in subdir:
             raise ValueError(
                 f"RunInfo.rank_subdir must be one plain directory name such as 'rank-001', "
                 f"got {subdir!r}"
             )
-        return self.output_dir / subdir
+        return subdir
+
+    def _resolve(self, run: RunInfo) -> Path:
+        assert isinstance(self.output_dir, Path)
+        subdir = self._rank_subdir(run)
+        return self.output_dir if subdir is None else self.output_dir / subdir
 
     def _require_open(self, what: _Method) -> PartWriter:
         if self._writer is None:
@@ -336,8 +478,9 @@ class DirectorySink:
     def _raise_failures(self, writer: PartWriter) -> None:
         failures = writer.take_errors()
         if failures:
-            assert self._directory is not None
-            raise _report(self._directory, failures)
+            where = self._location if self._location is not None else self._directory
+            assert where is not None
+            raise _report(where, failures)
 
     def _flush_at_exit(self) -> None:
         """Interpreter exit without removal: publish buffered rows as parts (no finalization),

@@ -18,6 +18,7 @@ from typing import Final
 import pyarrow as pa
 
 from ti_io.errors import ArtifactWriteError
+from ti_io.storage import RunLocation
 from ti_io.write.parts import conform, publish_part
 from ti_schema import SchemaMismatchError, validate_events
 from ti_schema.layout import EVENT_PARTS, list_parts, part_name
@@ -61,12 +62,13 @@ def check_events_batch(batch: pa.RecordBatch, expected: pa.Schema) -> None:
 class EventPartWriter:
     """Publishes one run's event parts, one per batch, on the caller's thread (thread-safe)."""
 
-    def __init__(self, directory: Path, schema: pa.Schema) -> None:
+    def __init__(self, directory: Path | RunLocation, schema: pa.Schema) -> None:
+        self._directory = directory
         self._dir = directory / EVENT_PARTS
         self._schema = schema
         self._lock = threading.Lock()
-        existing = list_parts(self._dir)
-        self._next = len(existing)  # a fresh run: 0
+        # A fresh run: 0 (an object-store prefix was checked empty of a run at open).
+        self._next = len(list_parts(self._dir)) if isinstance(self._dir, Path) else 0
 
     @property
     def schema(self) -> pa.Schema:
@@ -91,7 +93,7 @@ class EventPartWriter:
                 raise ArtifactWriteError(
                     f"could not write {path}: {type(exc).__name__}: {exc}; lost "
                     f"{batch.num_rows} event row(s). Everything already published in "
-                    f"{self._dir.parent} stays readable.",
+                    f"{self._directory} stays readable.",
                     paths=(str(path),),
                     rows_lost=batch.num_rows,
                 ) from exc

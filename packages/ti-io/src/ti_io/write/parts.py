@@ -49,7 +49,8 @@ from ti_io.encoding import (
 from ti_io.errors import ArtifactWriteError
 from ti_io.integrity import parquet_write_options
 from ti_io.publishing import publish_with
-from ti_io.write.tensorboard_sink import EventFileHistograms
+from ti_io.storage import RunLocation
+from ti_io.write.tensorboard_sink import EventFileHistograms, EventFileSequence
 from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, part_name
 
 PART_COMPRESSION: Final[str] = "lz4"
@@ -72,7 +73,7 @@ _LIVENESS_S: Final[float] = 1.0
 class WriteFailure:
     """One failed write: where, why, and how many rows it cost."""
 
-    path: Path
+    path: Path | RunLocation
     cause: BaseException
     rows_lost: int
     what: Lost
@@ -142,7 +143,7 @@ def part_table(
     return pa.Table.from_arrays(columns, schema=encoded).unify_dictionaries()
 
 
-def write_parquet(path: Path, table: pa.Table) -> None:
+def write_parquet(path: Path | RunLocation, table: pa.Table) -> None:
     """Publish ``table`` atomically at ``path``; dictionary-encoded string columns are stored
     as such and read back as the strings of :func:`~ti_io.encoding.plain_schema` (the footer
     records that schema)."""
@@ -162,13 +163,13 @@ def write_parquet(path: Path, table: pa.Table) -> None:
     publish_with(path, write)
 
 
-def publish_part(path: Path, table: pa.Table) -> None:
+def publish_part(path: Path | RunLocation, table: pa.Table) -> None:
     """Publish a part; when that fails with an OSError, write it once more at once.
 
     The rows exist only in memory, so one retry (under a fresh temporary name) costs little
     and saves them from a transient error (EIO on a network file system, an interrupted
-    rename). A lasting fault (a full or read-only disk) fails again, and the second error is
-    raised.
+    rename; a dropped connection to an object store). A lasting fault (a full or read-only
+    disk, a refused credential) fails again, and the second error is raised.
     """
     try:
         write_parquet(path, table)
@@ -182,15 +183,16 @@ class PartWriter:
 
     def __init__(
         self,
-        directory: Path,
+        directory: Path | RunLocation,
         history_schema: pa.Schema,
         histogram_schema: pa.Schema,
         *,
         history_part_rows: int,
         histogram_part_rows: int,
         delay: float | None,
-        events: EventFileHistograms | None,
+        events: EventFileHistograms | EventFileSequence | None,
     ) -> None:
+        self._directory = directory
         self._history_dir = directory / HISTORY_PARTS
         self._histogram_dir = directory / HISTOGRAM_PARTS
         self._history_schema = history_schema
@@ -290,7 +292,7 @@ class PartWriter:
     def _require_thread(self) -> None:
         if not self._thread.is_alive():
             raise ArtifactWriteError(
-                f"the ti-io writer thread for {self._history_dir.parent} has stopped; "
+                f"the ti-io writer thread for {self._directory} has stopped; "
                 "rows are not being written"
             )
 
@@ -349,7 +351,7 @@ class PartWriter:
         if histograms:
             self._write_part("histograms", histograms)
 
-    def _fail(self, path: Path, cause: BaseException, rows: int, what: Lost) -> None:
+    def _fail(self, path: Path | RunLocation, cause: BaseException, rows: int, what: Lost) -> None:
         with self._failures_lock:
             self._failures.append(WriteFailure(path, cause, rows, what))
 

@@ -8,6 +8,7 @@ TensorBoard; ``histograms.parquet`` keeps them.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import struct
@@ -23,6 +24,7 @@ import pyarrow.compute as pc
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.compat.proto.summary_pb2 import HistogramProto
 
+from ti_io.storage import RunLocation, publish_bytes
 from ti_io.write.tags import histogram_tag
 from ti_schema.sink import RunInfo, SinkCapabilities
 
@@ -155,14 +157,7 @@ class EventFileHistograms:
         """Append the drawable histograms of ``batch``; returns how many were written."""
         written = 0
         for record in histogram_records(batch):
-            event = event_pb2.Event(
-                wall_time=record.wall_time,
-                step=record.step,
-                summary=summary_pb2.Summary(
-                    value=[summary_pb2.Summary.Value(tag=record.tag, histo=_proto(record))]
-                ),
-            )
-            self._writer.write(event.SerializeToString())
+            self._writer.write(_event(record).SerializeToString())
             written += 1
         return written
 
@@ -175,6 +170,78 @@ class EventFileHistograms:
                 self._writer.flush()
             finally:
                 self._file.close()
+
+
+class EventFileSequence:
+    """TensorBoard events on an object store, where a file cannot grow: a sequence of complete
+    event files under ``logdir``, one per :meth:`flush` that has events to publish (the
+    directory sink's writer flushes once per publication).
+
+    Each file is one object (:func:`ti_io.storage.publish_bytes`) holding the ``file_version``
+    record and the events written since the previous flush, named
+    ``events.out.tfevents.<start>.<host>.<pid>.<NNNNNN>.ti``: the names sort in the order the
+    files were written, which is the order TensorBoard's directory loader reads them in (it
+    reads every event file of the directory). Nothing is appended or rewritten; a kill loses
+    the events since the last flush, as it does for the local file.
+    """
+
+    def __init__(self, logdir: RunLocation) -> None:
+        self._logdir = logdir
+        self._stem = (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        )
+        self._sequence = 0
+        self._buffer = io.BytesIO()
+        self._writer = RecordFile(self._buffer)
+        self._pending = 0
+        self.files = 0
+        """Event files published so far."""
+        self.path: RunLocation = logdir
+
+    def write(self, batch: pa.RecordBatch | pa.Table) -> int:
+        """Buffer the drawable histograms of ``batch``; returns how many."""
+        written = 0
+        for record in histogram_records(batch):
+            self._writer.write(_event(record).SerializeToString())
+            written += 1
+        self._pending += written
+        return written
+
+    def flush(self) -> None:
+        """Publish the events buffered since the last flush as the next event file (nothing
+        when there are none), written once more at once when that fails; a second failure
+        raises, and those events are dropped (the caller reports them lost)."""
+        if not self._pending:
+            return
+        header = io.BytesIO()
+        RecordFile(header).write(
+            event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()
+        )
+        target = self._logdir / f"{self._stem}.{self._sequence:06d}.ti"
+        data = header.getvalue() + self._buffer.getvalue()
+        self.path = target
+        self._sequence += 1
+        self._buffer = io.BytesIO()
+        self._writer = RecordFile(self._buffer)
+        self._pending = 0
+        try:
+            publish_bytes(target, data)
+        except OSError:
+            publish_bytes(target, data)
+        self.files += 1
+
+    def close(self) -> None:
+        self.flush()
+
+
+def _event(record: HistogramRecord) -> event_pb2.Event:
+    return event_pb2.Event(
+        wall_time=record.wall_time,
+        step=record.step,
+        summary=summary_pb2.Summary(
+            value=[summary_pb2.Summary.Value(tag=record.tag, histo=_proto(record))]
+        ),
+    )
 
 
 class TensorBoardSink:
