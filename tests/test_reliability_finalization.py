@@ -51,7 +51,9 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return report
 
 
-RUN_FACTS = re.compile(r"^(run_id|started_at|time span): .*$", re.MULTILINE)
+RUN_FACTS = re.compile(r"^(run_id|started_at|time span|Telemetry cost): .*$", re.MULTILINE)
+"""Facts of the run's own: its id, its times and its measured telemetry cost (a killed run's
+cost is what its observer last reported, or unknown)."""
 
 
 @cache

@@ -21,6 +21,7 @@ or printed (:attr:`RunLocation.uri` drops the URI's query).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import tempfile
@@ -227,11 +228,12 @@ def _s3(uri: str) -> RunLocation:
             f"{', '.join(sorted(_S3_QUERY))}); credentials come from the AWS environment "
             "variables or config files, never from the URI"
         )
-    options: dict[str, Any] = {
+    options: dict[str, Any] = {}
+    if _accepts_delayed_open(S3FileSystem):
         # A small object becomes one PutObject at close instead of a three-request
-        # multipart upload (large ones still upload in parts, completed at close).
-        "allow_delayed_open": True,
-    }
+        # multipart upload (large ones still upload in parts, completed at close). pyarrow
+        # before 19 has no such option: every object is a multipart upload there.
+        options["allow_delayed_open"] = True
     endpoint = _endpoint(query)
     if endpoint:
         scheme = query.get("scheme", [None])[0]
@@ -253,6 +255,18 @@ def _s3(uri: str) -> RunLocation:
     key = unquote(parts.path).strip("/")
     path = f"{bucket}/{key}" if key else bucket
     return RunLocation(S3FileSystem(**options), path, _display(uri))
+
+
+@functools.cache
+def _accepts_delayed_open(s3: type) -> bool:
+    """Whether this pyarrow's S3FileSystem takes ``allow_delayed_open`` (pyarrow >= 19)."""
+    try:
+        s3(allow_delayed_open=True, anonymous=True, region="us-east-1")
+    except TypeError:
+        return False
+    except Exception:  # any other failure: the option itself was accepted
+        return True
+    return True
 
 
 def _from_uri(uri: str, scheme: str) -> RunLocation:

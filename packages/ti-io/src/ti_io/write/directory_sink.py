@@ -382,7 +382,10 @@ class DirectorySink:
         ``run.json`` is republished with it at once (a crashed run keeps it for ``ti
         consolidate``), and finalization writes it into the footer of ``history.parquet`` and
         into index.md. Called by the observer at removal, before a flush and at most once a
-        minute at a sampled forward."""
+        minute at a sampled forward. After the end-of-process flush closed the sink (the
+        observer's removal may still run afterwards) there is nothing left to update."""
+        if self._closed:
+            return
         self._require_open("write_cost")
         if not isinstance(cost, RunCost):
             raise TypeError(f"DirectorySink.write_cost takes a ti_schema.RunCost, got {cost!r}")
@@ -390,7 +393,12 @@ class DirectorySink:
         assert where is not None
         assert self._facts is not None
         self._facts = dataclasses.replace(self._facts, telemetry_cost=cost)
-        write_run_file(where, self._facts)
+        # The figure in memory is what finalization writes; run.json only carries it for a
+        # crash. A run.json that cannot be republished (a full disk, a store refusing) keeps
+        # its previous figure: the failure that matters is reported by the writes of rows and
+        # by finalization, once, not again for this file.
+        with contextlib.suppress(Exception):
+            write_run_file(where, self._facts)
 
     def flush(self) -> None:
         """Publish every row received so far as parts and wait until they are on disk.
