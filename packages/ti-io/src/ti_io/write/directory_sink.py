@@ -268,22 +268,8 @@ class DirectorySink:
         except BaseException:
             remove_run_artifacts(directory)  # only what this open created
             raise
-        self._history_schema = history_schema(run.producer, window=self.history_config.window)
-        self._histogram_schema = histogram_schema(run.producer)
-        self._writer = PartWriter(
-            directory,
-            self._history_schema,
-            self._histogram_schema,
-            history_part_rows=self.history_config.buffer_rows,
-            histogram_part_rows=self.history_config.histogram_buffer_rows,
-            delay=self.history_config.flush_seconds,
-            events=events,
-        )
-        self._event_writer = EventPartWriter(directory, events_schema(run.producer))
         self._directory = directory
-        self._facts = facts
-        self._pid = os.getpid()
-        _live_sinks.add(self)
+        self._start_writers(directory, run, events, facts)
 
     def _open_on_store(self, run: RunInfo) -> None:
         """``open`` for an object store: the prefix must hold no run (unless ``overwrite``);
@@ -320,10 +306,21 @@ class DirectorySink:
                 location, "writing the run's first objects (run.json, result.json, index.md)", exc
             ) from None
         events = EventFileSequence(location / TENSORBOARD_DIR)
+        self._location = location
+        self._start_writers(location, run, events, facts)
+
+    def _start_writers(
+        self,
+        where: Path | RunLocation,
+        run: RunInfo,
+        events: EventFileHistograms | EventFileSequence | None,
+        facts: RunFacts,
+    ) -> None:
+        """The writers of an opened run (on disk or on a store; the sink is live from here)."""
         self._history_schema = history_schema(run.producer, window=self.history_config.window)
         self._histogram_schema = histogram_schema(run.producer)
         self._writer = PartWriter(
-            location,
+            where,
             self._history_schema,
             self._histogram_schema,
             history_part_rows=self.history_config.buffer_rows,
@@ -331,8 +328,7 @@ class DirectorySink:
             delay=self.history_config.flush_seconds,
             events=events,
         )
-        self._event_writer = EventPartWriter(location, events_schema(run.producer))
-        self._location = location
+        self._event_writer = EventPartWriter(where, events_schema(run.producer))
         self._facts = facts
         self._pid = os.getpid()
         _live_sinks.add(self)
