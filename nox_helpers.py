@@ -249,11 +249,13 @@ FLOOR_CROSS_PACKAGE_TESTS: Final[tuple[str, ...]] = (
     "tests/test_schema_roundtrip.py",
     "tests/test_io_core_written_data.py",
     "tests/test_io_tensorboard_writers.py",
+    "tests/test_io_object_store_writes.py",
 )
 """The cross-package tests whose subject is a third-party API a floor can break: the
-contract's types written and read back by pyarrow and Polars, and TensorBoard's own reader on
-the event files. ``minimums`` runs them beside the package suites; the rest of ``tests/``
-(the fault matrix, kills, ranks, soaks) exercises ti's own code and runs once, in ``e2e``."""
+contract's types written and read back by pyarrow and Polars, TensorBoard's own reader on
+the event files, and pyarrow's S3 filesystem writing a run to a real S3-protocol server.
+``minimums`` runs them beside the package suites; the rest of ``tests/`` (the fault matrix,
+kills, ranks, soaks) exercises ti's own code and runs once, in ``e2e``."""
 
 WHEEL_TESTS: Final[Mapping[str, tuple[str, ...]]] = {
     "ti-schema": ("test_sink_contract.py", "test_validate_history.py"),

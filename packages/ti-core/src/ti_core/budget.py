@@ -20,7 +20,9 @@ Until the meter has measured a cost, the sampler probes ``min_forwards``, then t
 times, ... as many forwards apart (so clean steps come between samples even where every sample's
 background work outlasts the gap), up to ``max_interval``; a run that gives no measurement (the
 meter is not bound, or ``torch.compile`` traced the root's hooks) ends up sampled every
-``max_interval``, timed by the sampler's own seconds per forward.
+``max_interval``, timed by the sampler's own seconds per forward. A figure at or under zero (the
+steps' own spread outweighs what the samples cost, as on a large model with few samples yet)
+counts as not measured: probing goes on rather than sampling every ``min_forwards``.
 """
 
 from __future__ import annotations
@@ -129,8 +131,15 @@ class BudgetSampler:
             fallback = float(seconds_per_forward)
             step = fallback if math.isfinite(fallback) and fallback > 0 else None
         spent = so_far.telemetry_seconds if so_far is not None else None
-        if so_far is None or spent is None or not so_far.measured_sampled_steps or step is None:
-            # Nothing measured yet (or every unsampled step overlapped the samples' work):
+        if (
+            so_far is None
+            or not so_far.measured_sampled_steps
+            or spent is None
+            or spent <= 0
+            or step is None
+        ):
+            # Nothing measured yet (or every unsampled step overlapped the samples' work, or
+            # the steps' spread outweighs the samples' cost: a figure at or under zero):
             # probe, further apart each time, so clean steps come between samples.
             gap = self.min_forwards * 2 ** min(self._probes, 40)
             self._probes += 1

@@ -1,5 +1,5 @@
 """Kills of a run on S3, at every object operation: the driver behind the kill tests of
-test_object_store_writes.py (run as a script, in its own interpreter, with the AWS
+test_io_object_store_writes.py (run as a script, in its own interpreter, with the AWS
 environment of the test's moto server).
 
 ``python object_store_kills.py URI OUT`` imports torch, ti-core and ti-io once, then forks one

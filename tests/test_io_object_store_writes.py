@@ -7,6 +7,7 @@ the three errors at attach.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
@@ -22,8 +24,6 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from _io_helpers import Synth, make_run
-from s3_server import S3Store, free_port
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -36,6 +36,26 @@ from ti_io.storage import StorageError, resolve_location
 from ti_schema import validate_history
 
 HERE = Path(__file__).parent
+# ti-io's test helpers (the synthetic-run factory and the moto S3 server with its fixtures),
+# loaded by path: tests/ is not a package and ti-io's tests folder is not on sys.path here.
+IO_TESTS = HERE.parent / "packages" / "ti-io" / "tests"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, IO_TESTS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+_io_helpers = _load("_io_helpers")
+s3_server = _load("s3_server")
+Synth, make_run = _io_helpers.Synth, _io_helpers.make_run
+S3Store, free_port = s3_server.S3Store, s3_server.free_port
+moto, s3 = s3_server.moto, s3_server.s3  # the fixtures: a moto S3 server, a bucket on it
 VALUES = ["sample_id", "layer", "signal", "metric", "value"]
 
 
@@ -311,8 +331,13 @@ def test_request_count_of_a_long_dense_run_is_bounded(s3: S3Store) -> None:
     # open: 3; each publication: a history part, a histogram part, an event file; finalization:
     # 2 journal PUTs, 5 final files, per parts prefix a batched delete and pyarrow's 2 marker
     # requests, the journal's DELETE and its marker.
-    bound = 3 + 3 * publications + 2 + 5 + 3 * 3 + 2
-    assert len(writes) <= bound < 60, [(r.method, r.path) for r in writes]
+    puts = 3 + 3 * publications + 2 + 5
+    other = 3 * 3 + 2
+    assert puts + other < 60
+    # pyarrow before 19 has no delayed open: each of those PUTs is a 3-request multipart upload
+    per_put = 1 if int(pa.__version__.split(".")[0]) >= 19 else 3
+    bound = per_put * puts + other
+    assert len(writes) <= bound, [(r.method, r.path) for r in writes]
     before = len(s3.requests())
     assert ti(["summary", s3.uri("long")]) == 0
     assert not [r for r in s3.requests()[before:] if r.is_write]
