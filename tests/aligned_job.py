@@ -1,5 +1,5 @@
 """A data-parallel job observed on every rank with the default timed sampler, for aligned
-sampling (and replica drift).
+sampling and replica drift.
 
 ``python aligned_job.py SETTINGS_JSON`` imports torch and ti-core once, then forks ``world``
 processes (``torch.multiprocessing``, gloo on CPU). Each phase (``run_phase``) trains a fresh
@@ -16,7 +16,9 @@ small model under DDP for ``steps`` steps, every rank on its own data shard, obs
 - ``perturb_rank`` / ``perturb_step`` / ``perturb_by``: add ``perturb_by`` to
   ``0.weight[0, 0]`` on that rank just before forward ``perturb_step`` (after the optimizer step
   of the forward before it), so that rank's replica forks from then on;
-- ``signals``: the signals to record (default ``["output", "output_gradient"]``).
+- ``signals``: the signals to record (default ``["output", "output_gradient"]``);
+- ``save_weights``: save the value of ``0.weight`` this rank used at each forward to
+  ``side/<phase>-rank<r>-f<i>.npy`` (float64), for the test's numpy reference.
 
 Each rank writes ``side/<phase>-rank<r>.json``: its run settings and the TelemetryWarnings it
 saw (their messages).
@@ -32,6 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -92,6 +95,9 @@ def run_phase(rank: int, world: int, side: Path, phase: dict[str, Any]) -> None:
             if rank == phase.get("perturb_rank") and step == phase["perturb_step"]:
                 with torch.no_grad():
                     model[0].weight[0, 0] += phase["perturb_by"]
+            if phase.get("save_weights"):
+                weight = model[0].weight.detach().double().numpy()
+                np.save(side / f"{phase['name']}-rank{rank}-f{step}.npy", weight)
             x = torch.randn(16, 8, generator=shard)
             y = torch.randn(16, 4, generator=shard)
             torch.nn.functional.mse_loss(net(x), y).backward()

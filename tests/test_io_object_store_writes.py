@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -27,13 +28,21 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from ti_core import AlwaysSampler, has_observer, inject_observer, remove_observer
-from ti_io import DirectorySink, HistoryConfig
+from ti_core import (
+    AlwaysSampler,
+    TelemetryWarning,
+    has_observer,
+    inject_observer,
+    observer_of,
+    remove_observer,
+)
+from ti_io import ArtifactWriteError, DirectorySink, HistoryConfig
 from ti_io.cli import main as ti
 from ti_io.config import OBJECT_STORE_BUFFER_ROWS
 from ti_io.finish.journal import Journal
 from ti_io.storage import StorageError, resolve_location
 from ti_schema import validate_history
+from ti_trainers.attachment import Attachment
 
 HERE = Path(__file__).parent
 # ti-io's test helpers (the synthetic-run factory and the moto S3 server with its fixtures),
@@ -385,3 +394,78 @@ def test_an_endpoint_that_refuses_connections_fails_at_attach(
     assert s3.uri("run") in str(error)
     assert "endpoint cannot be reached" in str(error)
     assert resolve_location(s3.uri("run")).local_path is None
+
+
+def _outage_run(s3: S3Store, name: str, policy: str) -> tuple[nn.Module, int]:
+    """Three forwards published as a part, then three more and the removal during an outage
+    of the bucket (every write answered 503). Returns the model and the published rows."""
+    net = _model()
+    sink = DirectorySink(
+        s3.uri(name), history_config=HistoryConfig(buffer_rows=10**6, flush_seconds=None)
+    )
+    inject_observer(net, sink=sink, sampler=AlwaysSampler(), error_policy=policy)  # type: ignore[arg-type]
+    _train(net, 3)
+    observer = observer_of(net)
+    assert observer is not None
+    observer.drain()
+    sink.flush()
+    published = sum(_rows(s3, k) for k in s3.keys(name, "history.parts") if "part-" in k)
+    assert published > 0
+    return net, published
+
+
+def test_a_store_outage_mid_run_warns_and_keeps_every_published_row(
+    s3: S3Store, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The store refuses writes mid-run: training goes on, the default error policy warns with
+    what was lost, and once the store is back `ti consolidate` finishes the run with every row
+    that had been published."""
+    net, published = _outage_run(s3, "outage", "warn")
+    with s3.outage(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TelemetryWarning)
+        _train(net, 3)  # the training loop never sees the store's errors
+        remove_observer(net)
+    assert not has_observer(net)
+    assert len(s3.server.log.refused) > 0
+    messages = " ".join(str(w.message) for w in caught if w.category is TelemetryWarning)
+    assert "SERVICE_UNAVAILABLE" in messages, messages
+    assert "162 history rows" in messages  # the three forwards of the outage, 54 rows each
+    assert f"Everything already published in {s3.uri('outage')} stays readable" in messages
+    assert f"`ti consolidate --force {s3.uri('outage')}`" in messages
+    assert ti(["consolidate", "--force", s3.uri("outage")]) == 0, capsys.readouterr().err
+    history = pq.read_table(s3.key("outage/history.parquet"), filesystem=s3.filesystem)
+    validate_history(history)
+    assert history.num_rows == published
+    assert sorted(set(history.column("forward_index").to_pylist())) == [0, 1, 2]
+    assert not [k for k in s3.keys("outage") if ".parts/" in k or "finalization.json" in k]
+
+
+def test_revoked_credentials_under_error_policy_raise_raise_at_removal(s3: S3Store) -> None:
+    """Writes refused mid-run (403: the credentials revoked) under error_policy="raise": removal
+    raises what was lost after removing the hooks; every published row is kept."""
+    net, published = _outage_run(s3, "outage-raise", "raise")
+    with s3.outage("AccessDenied"):
+        _train(net, 3)
+        with pytest.raises(ArtifactWriteError, match="ACCESS_DENIED"):
+            remove_observer(net)
+    assert not has_observer(net)  # removed all the same: hooks gone, the error raised after
+    assert ti(["consolidate", "--force", s3.uri("outage-raise")]) == 0
+    assert _rows(s3, "outage-raise", "history.parquet") == published
+
+
+def test_a_trainer_callback_writes_its_rank_to_the_object_store(
+    s3: S3Store, tmp_path: Path
+) -> None:
+    """A trainer attachment given an s3:// output_dir reports the rank's URI (not a local path
+    mangled from it) and the run lands there."""
+    attachment = Attachment(
+        {"output_dir": s3.uri("trainer"), "rank_policy": "all", "sampler": AlwaysSampler()}, "Cb"
+    )
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    attachment.attach(net, default_dir=tmp_path / "default", rank=1, world_size=2)
+    assert attachment.output_dir == s3.uri("trainer") + "/rank-001"
+    for _ in range(3):
+        net(torch.randn(5, 4)).sum().backward()
+    attachment.detach()
+    assert not (tmp_path / "default").exists()
+    assert _rows(s3, "trainer/rank-001", "history.parquet") > 0

@@ -113,6 +113,12 @@ class S3Store:
         """Every request this bucket received so far (its creation included), in order."""
         return self.server.requests(self.bucket)
 
+    def outage(self, code: str = "ServiceUnavailable") -> contextlib.AbstractContextManager[None]:
+        """For the block, every write to this bucket is refused with the S3 error ``code``
+        (``"ServiceUnavailable"``: 503, retried by clients; ``"AccessDenied"``: 403, as for
+        revoked credentials); reads are served, the objects kept."""
+        return self.server.log.outage(self.bucket, code)
+
     def polars_options(self) -> dict[str, str]:
         """``storage_options`` for Polars (object_store's keys) reaching this server."""
         return {
@@ -166,13 +172,25 @@ class Request:
         return self.method in ("PUT", "POST", "DELETE")
 
 
+_REFUSALS: dict[str, tuple[str, str]] = {
+    # code: (HTTP status, message), as S3 answers them
+    "ServiceUnavailable": ("503 Service Unavailable", "Service is unable to handle request."),
+    "AccessDenied": ("403 Forbidden", "Access Denied"),
+}
+
+
 class _RequestLog:
-    """WSGI middleware recording every request before moto answers it."""
+    """WSGI middleware recording every request before moto answers it; during an
+    :meth:`outage` of a bucket it refuses that bucket's writes with an S3 error (503
+    ServiceUnavailable, which clients retry, or 403 AccessDenied: revoked credentials), reads
+    still served."""
 
     def __init__(self, app: Any) -> None:
         self._app = app
         self._lock = threading.Lock()
         self.requests: list[Request] = []
+        self.refused: list[Request] = []
+        self._down: dict[str, str] = {}
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
         request = Request(
@@ -182,7 +200,34 @@ class _RequestLog:
         )
         with self._lock:
             self.requests.append(request)
-        return self._app(environ, start_response)
+            code = self._down.get(request.bucket) if request.is_write else None
+            if code is not None:
+                self.refused.append(request)
+        if code is None:
+            return self._app(environ, start_response)
+        environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+        status, message = _REFUSALS[code]
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Error><Code>{code}</Code><Message>{message}</Message></Error>"
+        ).encode()
+        headers = [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))]
+        start_response(status, headers)
+        return [body]
+
+    @contextlib.contextmanager
+    def outage(self, bucket: str, code: str = "ServiceUnavailable") -> Iterator[None]:
+        """Every write to ``bucket`` refused with ``code`` for the block; what it holds is
+        kept."""
+        if code not in _REFUSALS:
+            raise ValueError(f"outage(code=...) is one of {sorted(_REFUSALS)}, got {code!r}")
+        with self._lock:
+            self._down[bucket] = code
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._down.pop(bucket, None)
 
     def snapshot(self) -> list[Request]:
         with self._lock:

@@ -153,6 +153,23 @@ def test_the_trainer_rank_decides_where_and_whether(tmp_path: Path) -> None:
     assert history(tmp_path / "all" / "rank-001").get_column("rank").unique().to_list() == [1]
 
 
+def test_a_uri_output_dir_is_where_the_rank_writes(tmp_path: Path) -> None:
+    every = Attachment(
+        {
+            "output_dir": (tmp_path / "run").as_uri(),
+            "rank_policy": "all",
+            "sampler": AlwaysSampler(),
+        },
+        "Cb",
+    )
+    net = model()
+    every.attach(net, default_dir=tmp_path / "default", rank=1, world_size=2)
+    assert every.output_dir == tmp_path / "run" / "rank-001"  # the local path of file://
+    train(net, steps=1)
+    every.detach()
+    assert history(tmp_path / "run" / "rank-001").get_column("rank").unique().to_list() == [1]
+
+
 def test_given_output_dir_and_sinks_win_over_the_trainer(tmp_path: Path) -> None:
     net = model()
     own = Attachment({"output_dir": tmp_path / "mine", "sampler": AlwaysSampler()}, "Cb")

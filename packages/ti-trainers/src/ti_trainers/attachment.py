@@ -119,6 +119,16 @@ def check_options(options: Mapping[str, object], owner: str) -> dict[str, Any]:
     return dict(options)
 
 
+def _written_to(sinks: Sequence[Sink]) -> Path | str | None:
+    """Where the run's directory sink writes, resolved at open (its rank folder included): a
+    ``Path`` on local disk, the URI on an object store; None without a directory sink."""
+    directory = next((s for s in sinks if isinstance(s, DirectorySink)), None)
+    if directory is None:
+        return None
+    location = directory.location
+    return location.local_path if location.local_path is not None else location.uri
+
+
 def _sinks(sink: object) -> list[Sink]:
     if sink is None:
         return []
@@ -147,10 +157,11 @@ class Attachment:
         self._model: nn.Module | None = None
         self._remove_counter: Callable[[], None] | None = None
         self._forwards = 0
-        self.output_dir: Path | None = None
+        self.output_dir: Path | str | None = None
         """Where this process writes its directory artifacts (its ``rank-NNN`` folder under
-        ``rank_policy="all"``); None before attaching, when it writes no directory, or when
-        this rank does not observe."""
+        ``rank_policy="all"``): a ``Path`` on local disk, the URI (``s3://bucket/run/rank-001``)
+        on an object store; None before attaching, when it writes no directory, or when this
+        rank does not observe."""
 
     @property
     def attached(self) -> bool:
@@ -198,10 +209,8 @@ class Attachment:
         self._forwards = 0
         self._remove_counter = model.register_forward_pre_hook(self._count).remove
         observer = observer_of(model)
-        base = own_directory.output_dir if own_directory is not None else options["output_dir"]
-        if base is not None and observer is not None:
-            subdir = observer.run.rank_subdir
-            self.output_dir = Path(base) / subdir if subdir else Path(base)
+        if observer is not None:
+            self.output_dir = _written_to(observer.sinks.sinks)
 
     def report_loss(self, loss: float) -> Event | None:
         """Test a loss the trainer logged (:attr:`loss_spike`); when it fires, record a

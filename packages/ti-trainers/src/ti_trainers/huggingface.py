@@ -85,9 +85,9 @@ class HFObserverCallback(TrainerCallback):
         return self._attachment.loss_spike
 
     @property
-    def output_dir(self) -> Path | None:
-        """Where this process writes its artifacts (set at train begin; None on ranks that do
-        not observe or without a directory)."""
+    def output_dir(self) -> Path | str | None:
+        """Where this process writes its artifacts: a ``Path``, or the URI on an object store
+        (set at train begin; None on ranks that do not observe or without a directory)."""
         return self._attachment.output_dir
 
     def on_train_begin(

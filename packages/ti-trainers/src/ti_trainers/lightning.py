@@ -110,9 +110,9 @@ class LightningObserverCallback(Callback):
         self._loss_warned = False
 
     @property
-    def output_dir(self) -> Path | None:
-        """Where this process writes its artifacts (set at fit start; None on ranks that do not
-        observe or without a directory)."""
+    def output_dir(self) -> Path | str | None:
+        """Where this process writes its artifacts: a ``Path``, or the URI on an object store
+        (set at fit start; None on ranks that do not observe or without a directory)."""
         return self._attachment.output_dir
 
     def observed_module(self, pl_module: LightningModule) -> nn.Module:
