@@ -209,6 +209,51 @@ def test_nan_first_in_backward_names_the_module_it_flows_into() -> None:
     assert event["dense_first_forward"] == 3
 
 
+class Halves(nn.Module):
+    """Splits its input in two halves: one backward node, two outputs (``output_nr`` 0, 1)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.chunk(x, 2, dim=-1))
+
+
+class SplitNaN(nn.Module):
+    """first -> halves -> (left, poison(right)) -> head: the NaN gradient flows into the right
+    half only, then into first's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.halves = Halves()
+        self.poison = Poison()
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        left, right = self.halves(self.first(x))
+        return self.head(torch.cat([left, self.poison(right)], dim=-1))
+
+
+def test_a_backward_nan_in_one_output_of_a_node_names_that_output() -> None:
+    model = SplitNaN()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=True)
+
+    def poison() -> None:
+        _PoisonGrad.poisoned = True
+
+    try:
+        _train(model, 3, {1: poison})
+    finally:
+        _PoisonGrad.poisoned = False
+        ti_core.remove_observer(model)
+    (event,) = _events(sink)
+    assert (event["signal"], event["forward_index"]) == ("output_gradient", 1)
+    # the halves share one backward node: only the right one's gradient is NaN
+    assert list(zip(event["layers"], event["tensor_paths"], strict=True)) == [
+        ("halves", "[1]"),
+        ("first", ""),
+    ]
+
+
 def test_outputs_only_sentinel_ignores_a_backward_nan() -> None:
     model = BackwardNaN()
     sink = MemorySink()

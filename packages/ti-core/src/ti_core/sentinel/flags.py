@@ -1,14 +1,19 @@
-"""Non-finite flags accumulated on the tensors' own devices and read once per check.
+"""Non-finite flags of one check (a root forward's outputs, or the gradients one backward
+delivered to it), exact, and read once per check.
 
-A :class:`Flags` collects, for one root forward's outputs (or for the gradients one backward
-delivered to it), one or two 0-d tensors per checked tensor (:func:`flag_values`), on the
-tensor's device, with no host synchronization: they are all finite exactly when the tensor
-is, so the check is exact and cannot overflow. :meth:`Flags.read` reads CPU values directly
-(a CPU scalar's read is cheaper than one more kernel); values on an accelerator are stacked
-per device into one flag each, and only a set flag makes it read which fired.
+A plain CPU tensor is checked at once (:func:`cpu_nonfinite`): its sum is finite whenever the
+tensor is (NaN and infinities propagate), so a finite sum, one read of the tensor and one
+scalar read, clears it; a non-finite sum (a NaN or an infinity, or finite entries whose sum
+overflowed) is decided exactly by ``aminmax``. Only a flagged tensor is remembered.
 
-On an accelerator the read is asynchronous (:class:`PendingRead`): the flag is copied to the
-host behind a CUDA event, and the caller acts on it at the next check, one root forward later.
+Elsewhere (an accelerator, a tensor subclass, values a compiled graph computed) a
+:class:`Flags` collects two 0-d tensors per checked tensor (:func:`flag_values`, ``aminmax``'s
+two), on the tensor's device, with no host synchronization: they are all finite exactly when
+the tensor is, so the check is exact and cannot overflow. :meth:`Flags.read` reads CPU values
+directly; values on an accelerator are stacked per device into one flag each, and only a set
+flag makes it read which fired. There the read is asynchronous (:class:`PendingRead`): the
+flag is copied to the host behind a CUDA event, and the caller acts on it at the next check,
+one root forward later.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ _COMPLEX: Final[frozenset[torch.dtype]] = frozenset(
     {torch.complex32, torch.complex64, torch.complex128}
 )
 _STRIDED: Final = torch.strided
+_SUMMED: Final[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float64})
+"""Summed in their own type (a float32 sum accumulates in float32 vectors: the fastest)."""
+_HALF: Final[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
+"""Summed in float32 (a float16 sum of ordinary values overflows its 65,504)."""
 
 Flagged = list[tuple[int, str]]
 """``(layer, tensor_path)`` of every flagged tensor, in the order they were checked."""
@@ -58,13 +67,42 @@ def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
     return tuple(torch.aminmax(values))
 
 
+def cpu_nonfinite(tensor: Tensor) -> bool | None:
+    """Whether the plain (``type(t) is Tensor``) CPU tensor holds a NaN or an infinity; None
+    when it cannot (integers, booleans, no entries, not dense). Exact: a finite sum clears it,
+    a non-finite one is decided by ``aminmax`` (finite entries can overflow a sum)."""
+    if tensor.layout is not _STRIDED or not tensor.numel():
+        return None
+    values = tensor.data  # a detached alias without detach()'s autograd bookkeeping
+    dtype = tensor.dtype
+    if dtype in _SUMMED:
+        total = values.sum()
+    elif dtype in _HALF:
+        total = values.sum(dtype=torch.float32)
+    elif dtype in _COMPLEX:
+        values = torch.view_as_real(values)
+        total = values.sum(dtype=torch.float64)
+    elif dtype.is_floating_point:  # float8 and other narrow formats: no sum or aminmax kernel
+        values = values.to(torch.float32)
+        total = values.sum()
+    else:
+        return None
+    if isfinite(total.item()):
+        return False
+    low, high = torch.aminmax(values)
+    return not (isfinite(low.item()) and isfinite(high.item()))
+
+
 class Flags:
     """The flags of one check (a root forward's outputs, or one backward's gradients)."""
 
-    __slots__ = ("accelerated", "entries", "owners", "values")
+    __slots__ = ("accelerated", "entries", "flagged", "owners", "values")
 
     def __init__(self) -> None:
         self.entries: list[tuple[int, str]] = []
+        """``(layer, tensor_path)`` of each tensor flagged already or with values to read."""
+        self.flagged: list[int] = []
+        """The entries known to be flagged (plain CPU tensors, checked at once)."""
         self.values: list[Tensor] = []
         self.owners: list[int] = []
         """The entry each value belongs to."""
@@ -72,7 +110,12 @@ class Flags:
         """Whether any value lives off the CPU (then :meth:`read` is asynchronous)."""
 
     def add(self, layer: int, path: str, tensor: Tensor) -> None:
-        """Check one tensor (queued on its device; nothing is read here)."""
+        """Check one tensor: a plain CPU one at once, others queued on their device."""
+        if type(tensor) is Tensor and tensor.is_cpu:
+            if cpu_nonfinite(tensor):
+                self.flagged.append(len(self.entries))
+                self.entries.append((layer, path))
+            return
         found = flag_values(tensor)
         if found:
             entry = len(self.entries)
@@ -96,8 +139,6 @@ class Flags:
         """The flagged entries (an empty list: clean), or, when any value lives on an
         accelerator, a :class:`PendingRead` to ask later."""
         values = self.values
-        if not values:
-            return []
         if not self.accelerated:  # CPU scalars: reading each is cheaper than one more kernel
             return self._flagged([p for p, v in enumerate(values) if not isfinite(v.item())])
         groups: dict[torch.device, list[int]] = {}
@@ -106,7 +147,7 @@ class Flags:
         return PendingRead(self, groups)
 
     def _flagged(self, positions: Iterable[int]) -> Flagged:
-        entries = sorted({self.owners[p] for p in positions})
+        entries = sorted({self.owners[p] for p in positions}.union(self.flagged))
         return [self.entries[e] for e in entries]
 
 
@@ -147,4 +188,4 @@ class PendingRead:
         return self._flags._flagged(bad)
 
 
-__all__ = ["Flagged", "Flags", "PendingRead", "flag_values"]
+__all__ = ["Flagged", "Flags", "PendingRead", "cpu_nonfinite", "flag_values"]

@@ -4,8 +4,9 @@ Ownership: the observer builds one :class:`FlightRecorder` and closes it at remo
 calls :meth:`FlightRecorder.begin`, :meth:`~FlightRecorder.check` and
 :meth:`~FlightRecorder.end` around and inside every root forward when the sentinel is on (and
 the compiled graphs hand it the values they computed, :meth:`~FlightRecorder.check_values`).
-Gradient checks are tensor hooks on the outputs (:class:`GradientCheck`), living as long as
-the autograd graph; each backward's flags are read when it ends (an engine callback).
+Gradient checks are pre-hooks of the backward nodes that produced the outputs
+(:class:`GradientCheck`), living as long as the autograd graph; each backward's flags are read
+when it ends (an engine callback).
 
 Events (``ti.events`` rows) go to the sinks that declare ``write_events`` at once, on the
 thread that found them. State, changed under the recorder's lock::
@@ -125,9 +126,15 @@ class FlightRecorder:
         for path, tensor in leaves:
             if outputs is not None:
                 outputs.add(layer, path, tensor)
-            if gradients and tensor.requires_grad and not tensor.is_leaf:
-                check = GradientCheck(self._self_ref, forward, layer, path)
-                tensor.register_hook(check)  # type: ignore[no-untyped-call]
+            if gradients and tensor.requires_grad:
+                node = tensor.grad_fn
+                if node is None:  # a leaf: no backward node feeds it
+                    continue
+                # A pre-hook of the node that produced the tensor: it receives the gradient
+                # flowing into each of the node's outputs, this one's at ``output_nr`` (the
+                # same value as a tensor hook, at two thirds of its registration cost).
+                check = GradientCheck(self._self_ref, forward, layer, path, tensor.output_nr)
+                node.register_prehook(check)
                 forward.watched = True
 
     def check_values(self, layer: int, paths: Sequence[str], values: Sequence[Tensor]) -> None:
@@ -329,21 +336,31 @@ class _GradientFlush:
 
 
 class GradientCheck:
-    """Tensor hook on a checked output: checks the gradient flowing into it (never changes it)."""
+    """Pre-hook of the backward node that produced a checked output: checks the gradient
+    flowing into that output (the node's output ``output_nr``); never changes it."""
 
-    __slots__ = ("forward", "layer", "path", "recorder")
+    __slots__ = ("forward", "layer", "output_nr", "path", "recorder")
 
     def __init__(
-        self, recorder: weakref.ref[FlightRecorder], forward: _Forward, layer: int, path: str
+        self,
+        recorder: weakref.ref[FlightRecorder],
+        forward: _Forward,
+        layer: int,
+        path: str,
+        output_nr: int,
     ) -> None:
         self.recorder = recorder
         self.forward = forward
         self.layer = layer
         self.path = path
+        self.output_nr = output_nr
 
-    def __call__(self, grad: Tensor) -> None:
+    def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
         recorder = self.recorder()
-        if recorder is None or recorder.closed or grad is None:
+        if recorder is None or recorder.closed:
+            return
+        grad = grad_outputs[self.output_nr]
+        if grad is None:
             return
         try:
             forward = self.forward
