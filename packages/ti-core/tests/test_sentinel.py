@@ -441,6 +441,70 @@ def test_compiled_fullgraph_sentinel_names_the_module() -> None:
     assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 4, 5}
 
 
+class Sqrt(nn.Module):
+    """``sqrt``: finite on the zeros a ReLU makes, its gradient there infinite."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+@pytest.mark.slow
+def test_inductor_sentinel_names_the_module_that_went_non_finite() -> None:
+    """Under inductor (which reuses a graph's buffers once their last reader ran) the check
+    values are read as they were computed: a NaN weight in the fifth block is named there,
+    not in the blocks before it (whose buffers later results overwrite), and an infinite
+    gradient is named at the module it flows into."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True)) for _ in range(8)]
+    model = nn.Sequential(*blocks, nn.Linear(16, 2))
+    sink = MemorySink()
+    compiled = torch.compile(model, fullgraph=True)  # inductor
+    _attach(compiled, sink, sentinel=Sentinel(dense_forwards=1))
+    x = torch.randn(8, 16)
+    try:
+        for step in range(5):
+            if step == 3:
+                with torch.no_grad():
+                    model[4][0].weight[0, 0] = math.nan
+            compiled(x).sum().backward()
+        assert not counters["graph_break"]
+    finally:
+        ti_core.remove_observer(compiled)
+    (event,) = _events(sink)
+    assert (event["forward_index"], event["signal"], event["layer"]) == (3, "output", "4.0")
+    assert event["layers"] == ["4.0", "4.1", "5.0", "5.1", "6.0", "6.1", "7.0", "7.1", "8"]
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), Sqrt(), nn.Linear(6, 1))
+    sink = MemorySink()
+    compiled = torch.compile(model, fullgraph=True)
+    _attach(compiled, sink, sentinel=Sentinel(dense_forwards=1))
+    try:
+        for _ in range(3):
+            compiled(torch.randn(8, 4)).sum().backward()
+    finally:
+        ti_core.remove_observer(compiled)
+        torch._dynamo.reset()
+    (event,) = _events(sink)  # one: no forward's gradients are clean, so it is not re-armed
+    assert (event["signal"], event["layer"]) == ("output_gradient", "1")  # sqrt'(0) = inf
+    assert event["layers"][0] == "1"
+
+    # outputs only: the graph's gradient checks are not acted on
+    sink = MemorySink()
+    compiled = torch.compile(model, fullgraph=True)
+    _attach(compiled, sink, sentinel=Sentinel(signals=("output",)))
+    try:
+        for _ in range(2):
+            compiled(torch.randn(8, 4)).sum().backward()
+    finally:
+        ti_core.remove_observer(compiled)
+        torch._dynamo.reset()
+    assert _events(sink) == []
+
+
 class Scale(nn.Module):
     """Multiplies by a buffer: an infinite scale makes its output non-finite."""
 

@@ -131,12 +131,14 @@ class CompiledGate:
         self._ahead = None
         self.decide_ahead()
 
-    def compiled_check(self, values: list[torch.Tensor], layer: int, site: int) -> None:
+    def compiled_check(
+        self, values: list[torch.Tensor], layer: int, site: int, watched: bool
+    ) -> None:
         sentinel = self._sentinel
         if sentinel is None or self.closed or in_backward():
             return
         try:
-            sentinel.check_values(layer, self._sites.paths(site), values)
+            sentinel.check_values(layer, self._sites.paths(site), values, watched=watched)
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)
 

@@ -78,8 +78,11 @@ class CompiledTarget(Protocol):
         """Run time: an unsampled root forward whose root hooks were traced ends."""
         ...
 
-    def compiled_check(self, values: list[torch.Tensor], layer: int, site: int) -> None:
-        """Run time: the sentinel's values (``aminmax`` pairs) of one call's tensors."""
+    def compiled_check(
+        self, values: list[torch.Tensor], layer: int, site: int, watched: bool
+    ) -> None:
+        """Run time: the sentinel's values (``aminmax`` pairs) of one call's tensors;
+        ``watched``: the graph checks the gradient of at least one of them."""
         ...
 
     def compiled_check_grad(
@@ -265,17 +268,18 @@ def _advance_fake(key: int) -> None:
 
 
 @torch.library.custom_op(f"{NAMESPACE}::check", mutates_args=(), tags=_TAGS)
-def check(values: list[torch.Tensor], key: int, layer: int, site: int) -> None:
+def check(values: list[torch.Tensor], key: int, layer: int, site: int, watched: bool) -> None:
     """The flight recorder's check of one call of a selected module, on every compiled forward:
     ``values`` holds the ``aminmax`` of each checked tensor (computed in the graph, on the
-    tensors' device), in the order of the paths interned as ``site``."""
+    tensors' device), in the order of the paths interned as ``site``; ``watched``: a gradient
+    check of the graph's backward waits on one of them (decided at trace time)."""
     target = target_of(key)
     if target is not None:
-        target.compiled_check(values, layer, site)
+        target.compiled_check(values, layer, site, watched)
 
 
 @check.register_fake
-def _check_fake(values: list[torch.Tensor], key: int, layer: int, site: int) -> None:
+def _check_fake(values: list[torch.Tensor], key: int, layer: int, site: int, watched: bool) -> None:
     return None
 
 

@@ -205,12 +205,17 @@ def _check(key: int, layer: int, output: Any) -> None:
         low, high = torch.aminmax(tensor.detach())
         values += [low, high]
     site = _site(key, tuple(p for p, _ in leaves))
-    check(values, key, layer, site)
+    watched = [
+        position
+        for position, (_, tensor) in enumerate(leaves)
+        if tensor.requires_grad and not tensor.is_leaf
+    ]
     if not is_grad_enabled() or _nested():
-        return
-    for position, (_, tensor) in enumerate(leaves):
-        if tensor.requires_grad and not tensor.is_leaf:
-            tensor.register_hook(_grad_checker(key, layer, site, position))  # type: ignore[no-untyped-call]
+        watched = []
+    check(values, key, layer, site, bool(watched))
+    for position in watched:
+        tensor = leaves[position][1]
+        tensor.register_hook(_grad_checker(key, layer, site, position))  # type: ignore[no-untyped-call]
 
 
 def call(key: int, layer: int, module: nn.Module, output: Any) -> None:

@@ -127,13 +127,25 @@ class Flags:
                 self.accelerated = True
 
     def add_values(self, layer: int, path: str, values: Sequence[Tensor]) -> None:
-        """Flag values already computed (by a compiled graph) for one tensor."""
+        """Flag values a compiled graph computed for one tensor (its ``aminmax``).
+
+        They live in the graph's buffers, which the compiler reuses for later results once
+        the operator that received them returns: they are read now on the CPU, and copied
+        into a tensor of the recorder's own on an accelerator (the copy runs before any later
+        kernel of the stream can overwrite them)."""
+        if not values:
+            return
+        if all(value.is_cpu for value in values):
+            if not all(isfinite(value.item()) for value in values):
+                self.flagged.append(len(self.entries))
+                self.entries.append((layer, path))
+            return
         entry = len(self.entries)
         self.entries.append((layer, path))
-        self.values.extend(values)
-        self.owners.extend([entry] * len(values))
-        if any(not value.is_cpu for value in values):
-            self.accelerated = True
+        owned = torch.stack(list(values)).unbind()
+        self.values.extend(owned)
+        self.owners.extend([entry] * len(owned))
+        self.accelerated = True
 
     def read(self) -> Flagged | PendingRead:
         """The flagged entries (an empty list: clean), or, when any value lives on an

@@ -137,11 +137,17 @@ class FlightRecorder:
                 node.register_prehook(check)
                 forward.watched = True
 
-    def check_values(self, layer: int, paths: Sequence[str], values: Sequence[Tensor]) -> None:
-        """What a compiled graph computed for one call: ``aminmax`` of each tensor, in pairs."""
+    def check_values(
+        self, layer: int, paths: Sequence[str], values: Sequence[Tensor], *, watched: bool
+    ) -> None:
+        """What a compiled graph computed for one call: ``aminmax`` of each tensor, in pairs;
+        ``watched``: the graph's backward checks the gradient of one of them (the forward is
+        re-armed only once that check is clean too, as in eager mode)."""
         forward: _Forward | None = getattr(self._local, "forward", None)
         if forward is None:
             forward = self._local.forward = _Forward(self._latest())
+        if watched and self._gradients:
+            forward.watched = True
         for position, path in enumerate(paths):
             forward.outputs.add_values(layer, path, values[2 * position : 2 * position + 2])
 
@@ -149,8 +155,8 @@ class FlightRecorder:
         """A compiled graph's gradient check (``aminmax`` of the gradient of one output), for
         the latest root forward that ended (a compiled graph carries no forward identity)."""
         forward = self._last
-        if forward is None or self._closed:
-            return
+        if forward is None or self._closed or not self._gradients:
+            return  # (the graph checks gradients whatever the options: it cannot see them)
         flush = forward.gradients
         if flush is None:
             flush = forward.gradients = _GradientFlush(self._self_ref, forward)
