@@ -13,7 +13,8 @@ and SIGKILLs the process just before operation N:
 - ``training``: 3 steps published (flush), 2 more buffered, then SIGKILL in the training loop;
 - ``final-N``: the reference's steps, killed before operation N of ``remove_observer``.
 
-OUT (JSON) records each case: its prefix, how it ended, and the reference's operations.
+OUT (JSON) records each case: its prefix, how it ended, and the reference's operations. The
+test module imports ``_model`` and ``_step`` from here too, so its own runs train the same.
 """
 
 from __future__ import annotations

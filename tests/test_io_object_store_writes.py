@@ -50,8 +50,8 @@ HERE = Path(__file__).parent
 IO_TESTS = HERE.parent / "packages" / "ti-io" / "tests"
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, IO_TESTS / f"{name}.py")
+def _load(name: str, folder: Path = IO_TESTS) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -68,20 +68,15 @@ moto, s3 = s3_server.moto, s3_server.s3  # the fixtures: a moto S3 server, a buc
 VALUES = ["sample_id", "layer", "signal", "metric", "value"]
 
 
+# The killed runs' model and training step (object_store_kills.py), so both train the same.
+_kills = _load("object_store_kills", HERE)
+_model = _kills._model
+
+
 def _train(model: nn.Module, steps: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(steps):
-        torch.manual_seed(100 + step)
-        x = torch.randn(8, 6)
-        loss = (model(x) - x[:, :2]).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
+        _kills._step(model, opt, step)
 
 
 def _rows(s3: S3Store, *parts: str) -> int:

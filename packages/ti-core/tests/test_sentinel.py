@@ -102,6 +102,20 @@ def _train(
             optimizer.step()
 
 
+def _train_poisoned_from(model: nn.Module, steps: int, first: int) -> None:
+    """``_train`` with ``_PoisonGrad``'s NaN gradients from step ``first`` on; then the
+    poison off and the observer removed, whatever happened."""
+
+    def poison() -> None:
+        _PoisonGrad.poisoned = True
+
+    try:
+        _train(model, steps, {first: poison})
+    finally:
+        _PoisonGrad.poisoned = False
+        ti_core.remove_observer(model)
+
+
 def model_in(model: nn.Module) -> int:
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
     return first.in_features
@@ -188,15 +202,7 @@ def test_nan_first_in_backward_names_the_module_it_flows_into() -> None:
     model = BackwardNaN()
     sink = MemorySink()
     _attach(model, sink, sentinel=True)
-
-    def poison() -> None:
-        _PoisonGrad.poisoned = True
-
-    try:
-        _train(model, 6, {2: poison})
-    finally:
-        _PoisonGrad.poisoned = False
-        ti_core.remove_observer(model)
+    _train_poisoned_from(model, 6, 2)
     events = _events(sink)
     assert len(events) == 1  # forwards 3..5 stay non-finite in backward: no second event
     event = events[0]
@@ -236,15 +242,7 @@ def test_a_backward_nan_in_one_output_of_a_node_names_that_output() -> None:
     model = SplitNaN()
     sink = MemorySink()
     _attach(model, sink, sentinel=True)
-
-    def poison() -> None:
-        _PoisonGrad.poisoned = True
-
-    try:
-        _train(model, 3, {1: poison})
-    finally:
-        _PoisonGrad.poisoned = False
-        ti_core.remove_observer(model)
+    _train_poisoned_from(model, 3, 1)
     (event,) = _events(sink)
     assert (event["signal"], event["forward_index"]) == ("output_gradient", 1)
     # the halves share one backward node: only the right one's gradient is NaN
@@ -476,33 +474,28 @@ def test_inductor_sentinel_names_the_module_that_went_non_finite() -> None:
     assert (event["forward_index"], event["signal"], event["layer"]) == (3, "output", "4.0")
     assert event["layers"] == ["4.0", "4.1", "5.0", "5.1", "6.0", "6.1", "7.0", "7.1", "8"]
 
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), Sqrt(), nn.Linear(6, 1))
-    sink = MemorySink()
-    compiled = torch.compile(model, fullgraph=True)
-    _attach(compiled, sink, sentinel=Sentinel(dense_forwards=1))
-    try:
-        for _ in range(3):
-            compiled(torch.randn(8, 4)).sum().backward()
-    finally:
-        ti_core.remove_observer(compiled)
+
+    def run(sentinel: Sentinel, steps: int) -> list[dict[str, object]]:
         torch._dynamo.reset()
-    (event,) = _events(sink)  # one: no forward's gradients are clean, so it is not re-armed
+        sink = MemorySink()
+        compiled = torch.compile(model, fullgraph=True)
+        _attach(compiled, sink, sentinel=sentinel)
+        try:
+            for _ in range(steps):
+                compiled(torch.randn(8, 4)).sum().backward()
+        finally:
+            ti_core.remove_observer(compiled)
+            torch._dynamo.reset()
+        return _events(sink)
+
+    # one event: no forward's gradients are clean, so it is not re-armed
+    (event,) = run(Sentinel(dense_forwards=1), 3)
     assert (event["signal"], event["layer"]) == ("output_gradient", "1")  # sqrt'(0) = inf
     assert event["layers"][0] == "1"
-
     # outputs only: the graph's gradient checks are not acted on
-    sink = MemorySink()
-    compiled = torch.compile(model, fullgraph=True)
-    _attach(compiled, sink, sentinel=Sentinel(signals=("output",)))
-    try:
-        for _ in range(2):
-            compiled(torch.randn(8, 4)).sum().backward()
-    finally:
-        ti_core.remove_observer(compiled)
-        torch._dynamo.reset()
-    assert _events(sink) == []
+    assert run(Sentinel(signals=("output",)), 2) == []
 
 
 class Scale(nn.Module):
