@@ -205,13 +205,11 @@ def _check(key: int, layer: int, output: Any) -> None:
         low, high = torch.aminmax(tensor.detach())
         values += [low, high]
     site = _site(key, tuple(p for p, _ in leaves))
-    watched = [
-        position
-        for position, (_, tensor) in enumerate(leaves)
-        if tensor.requires_grad and not tensor.is_leaf
-    ]
-    if not is_grad_enabled() or _nested():
-        watched = []
+    watched = (
+        []
+        if not is_grad_enabled() or _nested()
+        else [p for p, (_, t) in enumerate(leaves) if t.requires_grad and not t.is_leaf]
+    )
     check(values, key, layer, site, bool(watched))
     for position in watched:
         tensor = leaves[position][1]

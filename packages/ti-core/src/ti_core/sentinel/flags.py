@@ -32,13 +32,30 @@ _COMPLEX: Final[frozenset[torch.dtype]] = frozenset(
     {torch.complex32, torch.complex64, torch.complex128}
 )
 _STRIDED: Final = torch.strided
-_SUMMED: Final[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float64})
-"""Summed in their own type (a float32 sum accumulates in float32 vectors: the fastest)."""
 _HALF: Final[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
 """Summed in float32 (a float16 sum of ordinary values overflows its 65,504)."""
 
 Flagged = list[tuple[int, str]]
 """``(layer, tensor_path)`` of every flagged tensor, in the order they were checked."""
+
+
+def _real_values(tensor: Tensor) -> Tensor | None:
+    """A detached real view of ``tensor``'s entries that aminmax and sum take (complex as
+    real pairs, float8 and other narrow formats widened to float32: they have no such
+    kernels); None when it cannot hold a non-finite value (integers, booleans, no entries) or
+    is not a dense tensor."""
+    if tensor.layout is not _STRIDED or not tensor.numel():
+        return None
+    # ``.data`` of a plain tensor: a detached alias without ``detach()``'s autograd bookkeeping
+    values = tensor.data if type(tensor) is Tensor else tensor.detach()
+    dtype = tensor.dtype
+    if dtype in _CHECKED:
+        return values
+    if dtype in _COMPLEX:
+        return torch.view_as_real(values)
+    if dtype.is_floating_point:
+        return values.to(torch.float32)
+    return None
 
 
 def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
@@ -51,42 +68,18 @@ def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
     for CPU tensors, costs about twice as much inside a training step as alone: its second
     operand evicts the step's own data from the cache.)
     """
-    if tensor.layout is not _STRIDED or not tensor.numel():
-        return ()
-    # ``.data`` of a plain tensor: a detached alias without ``detach()``'s autograd bookkeeping
-    values = tensor.data if type(tensor) is Tensor else tensor.detach()
-    dtype = tensor.dtype
-    if dtype in _CHECKED:
-        pass
-    elif dtype in _COMPLEX:
-        values = torch.view_as_real(values)
-    elif dtype.is_floating_point:  # float8 and other narrow formats: no aminmax kernel
-        values = values.to(torch.float32)
-    else:
-        return ()
-    return tuple(torch.aminmax(values))
+    values = _real_values(tensor)
+    return () if values is None else tuple(torch.aminmax(values))
 
 
 def cpu_nonfinite(tensor: Tensor) -> bool | None:
     """Whether the plain (``type(t) is Tensor``) CPU tensor holds a NaN or an infinity; None
     when it cannot (integers, booleans, no entries, not dense). Exact: a finite sum clears it,
     a non-finite one is decided by ``aminmax`` (finite entries can overflow a sum)."""
-    if tensor.layout is not _STRIDED or not tensor.numel():
+    values = _real_values(tensor)
+    if values is None:
         return None
-    values = tensor.data  # a detached alias without detach()'s autograd bookkeeping
-    dtype = tensor.dtype
-    if dtype in _SUMMED:
-        total = values.sum()
-    elif dtype in _HALF:
-        total = values.sum(dtype=torch.float32)
-    elif dtype in _COMPLEX:
-        values = torch.view_as_real(values)
-        total = values.sum(dtype=torch.float64)
-    elif dtype.is_floating_point:  # float8 and other narrow formats: no sum or aminmax kernel
-        values = values.to(torch.float32)
-        total = values.sum()
-    else:
-        return None
+    total = values.sum(dtype=torch.float32) if values.dtype in _HALF else values.sum()
     if isfinite(total.item()):
         return False
     low, high = torch.aminmax(values)
@@ -113,8 +106,7 @@ class Flags:
         """Check one tensor: a plain CPU one at once, others queued on their device."""
         if type(tensor) is Tensor and tensor.is_cpu:
             if cpu_nonfinite(tensor):
-                self.flagged.append(len(self.entries))
-                self.entries.append((layer, path))
+                self._flag(layer, path)
             return
         found = flag_values(tensor)
         if found:
@@ -137,8 +129,7 @@ class Flags:
             return
         if all(value.is_cpu for value in values):
             if not all(isfinite(value.item()) for value in values):
-                self.flagged.append(len(self.entries))
-                self.entries.append((layer, path))
+                self._flag(layer, path)
             return
         entry = len(self.entries)
         self.entries.append((layer, path))
@@ -146,6 +137,11 @@ class Flags:
         self.values.extend(owned)
         self.owners.extend([entry] * len(owned))
         self.accelerated = True
+
+    def _flag(self, layer: int, path: str) -> None:
+        """Record a tensor known to be flagged."""
+        self.flagged.append(len(self.entries))
+        self.entries.append((layer, path))
 
     def read(self) -> Flagged | PendingRead:
         """The flagged entries (an empty list: clean), or, when any value lives on an
