@@ -18,7 +18,8 @@ Configurations: ``aa`` times a second bare copy against the first (the noise flo
 ratios); ``compile-first`` observes the ``OptimizedModule``; ``inject-first`` compiles the
 observed module; both sample forward 0 only (in the warmup), so every timed step is unsampled;
 ``every`` (compile-first) samples every forward; ``sentinel`` (compile-first, unsampled) adds
-the flight recorder's non-finite check to every forward's graph.
+the flight recorder's non-finite check to every forward's graph; ``sentinel-outputs`` checks the
+outputs only (``Sentinel(signals=("output",))``), which separates the two checks' costs.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-CONFIGS = ("aa", "compile-first", "inject-first", "every", "sentinel")
+CONFIGS = ("aa", "compile-first", "inject-first", "every", "sentinel", "sentinel-outputs")
 WORKLOADS = ("mlp", "block")
 DESCRIPTIONS = {
     "mlp": "8 x (Linear(128,128) + in-place ReLU) + Linear(128,16), input (64,128), 17 leaves",
@@ -147,6 +148,8 @@ def one(workload: str, config: str, pairs: int, steps: int) -> dict[str, Any]:
     options: dict[str, Any] = {"output_dir": None, "sink": sink, "sampler": sampler}
     if config == "sentinel":
         options["sentinel"] = True
+    if config == "sentinel-outputs":
+        options["sentinel"] = ti_core.Sentinel(signals=("output",))
     if config == "aa":
         target = observed = torch.compile(model, fullgraph=True)
     elif config == "inject-first":

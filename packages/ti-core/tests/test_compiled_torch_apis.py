@@ -8,6 +8,7 @@ show the behaviour; inductor where only code generation shows it.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -340,4 +341,57 @@ def test_dynamo_guards_on_a_flag_read_through_a_module_dict() -> None:
     assert float(compiled(x)[0]) == 4.0, (
         "Dynamo now guards on threading.local attributes: per-thread sampling decisions in "
         "compiled graphs may be possible (docs/capture.md, threads)"
+    )
+
+
+def test_compile_ids_tell_graphs_apart_and_a_graph_writes_a_global_tensor_back() -> None:
+    """``torch._guards.CompileContext.current_compile_id`` (``torch_private``): one value
+    while one graph is traced (also when Dynamo traces it again after a graph break), another
+    for the next graph; the sentinel's
+    slots (``ti_core.sentinel.slots``) number each call per graph by it. And a compiled graph
+    (inductor) that writes a tensor reached through a global object writes it back when it
+    returns, handing an operator the values it has written so far, without saving the tensor
+    for backward (a second forward before the backward does not break it)."""
+    ids: list[object] = []
+
+    @torch_private.assume_constant_result
+    def note() -> int:
+        ids.append(torch_private.current_compile_id())
+        return 0
+
+    class Box:
+        slots = torch.zeros(4, dtype=torch.int64)
+
+    seen: list[list[int]] = []
+
+    @torch.library.custom_op("ti_api_test::look", mutates_args=())
+    def look(values: list[torch.Tensor]) -> None:
+        seen.append(values[0].tolist())
+
+    look.register_fake(lambda values: None)
+    look.register_effect(torch_private.EffectType.ORDERED)  # type: ignore[attr-defined]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        note()
+        y = x * 2
+        Box.slots[1] = torch.where(torch.isfinite(y).all(), Box.slots[1], 7)
+        note()
+        look([Box.slots])
+        torch._dynamo.graph_break()
+        note()
+        return y.sin()
+
+    compiled = torch.compile(fn)
+    x = torch.tensor([1.0, math.inf], requires_grad=True)
+    (compiled(x).sum() + compiled(x).sum()).backward()
+    # (Dynamo traces the first frame again after the graph break: the same id again.)
+    names_graphs = len(set(ids)) == 2 and ids[0] == ids[1] != ids[-1]
+    assert names_graphs, (
+        "torch._guards.CompileContext.current_compile_id no longer names one graph per trace: "
+        "ti_core.sentinel.slots needs another way to give each graph's calls their own slots"
+    )
+    assert Box.slots.tolist() == [0, 7, 0, 0], "a graph no longer writes a global tensor back"
+    assert seen[0] == [0, 7, 0, 0], (
+        "an operator no longer sees a graph's writes to a global tensor before the graph "
+        "returns: ti_core.compiled.traced passes the slots to ti::advance / ti::end for this"
     )

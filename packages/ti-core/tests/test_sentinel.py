@@ -550,6 +550,78 @@ def test_compiled_sequential_root_checks_every_forward(order: str) -> None:
     assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 5, 6}
 
 
+class SharedTwice(nn.Module):
+    """``shared`` (one Linear) called twice, ``middle`` between: a NaN weight in ``shared``
+    makes its first call non-finite, then ``middle``, then its second call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.middle = nn.Tanh()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(self.middle(self.shared(x)))
+        torch._dynamo.graph_break()  # eager: none; compiled: two graphs and eager code
+        return self.head(h)
+
+
+def _shared_twice_events(compile_it: bool) -> tuple[list[dict[str, object]], list[int]]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SharedTwice()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=1))
+    target = torch.compile(model) if compile_it else model  # inductor, with a graph break
+    calls: list[int] = []
+    recorder = ti_core.observer_of(model).recorder  # type: ignore[union-attr]
+    original = recorder.check_values
+
+    def counted(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        original(*args, **kwargs)  # type: ignore[arg-type]
+
+    recorder.check_values = counted  # type: ignore[method-assign]
+    try:
+        for step in range(6):
+            if step == 3:
+                with torch.no_grad():
+                    model.shared.weight[0, 0] = math.nan
+            target(torch.randn(3, 4)).sum().backward()
+        # gradient accumulation and two backwards after two forwards: the slots the graphs
+        # write are never saved for a backward, so autograd accepts both
+        with torch.no_grad():
+            model.shared.weight[0, 0] = 0.0
+        (target(torch.randn(3, 4)).sum() + target(torch.randn(3, 4)).sum()).backward()
+        first, second = target(torch.randn(3, 4)).sum(), target(torch.randn(3, 4)).sum()
+        first.backward()
+        second.backward()
+    finally:
+        ti_core.remove_observer(model)
+        torch._dynamo.reset()
+    return _events(sink), calls
+
+
+@pytest.mark.slow
+def test_compiled_slots_name_what_eager_names_across_graphs_and_shared_calls() -> None:
+    """Compiled graphs write their output flags into slots, one per call of a module in each
+    graph, read once per root forward with the eager checks' (which write slots too once the
+    run is compiled): the event is the eager run's, a module called twice is flagged at both
+    calls in order, and the graphs hand no values to the ``ti::check`` operator."""
+    eager, _ = _shared_twice_events(compile_it=False)
+    compiled, fallbacks = _shared_twice_events(compile_it=True)
+    assert len(eager) == 1
+    assert (eager[0]["forward_index"], eager[0]["signal"], eager[0]["layer"]) == (
+        3,
+        "output",
+        "shared",
+    )
+    assert eager[0]["layers"] == ["shared", "middle", "shared", "head"]
+    keys = ("forward_index", "signal", "layer", "layers", "tensor_paths")
+    assert [{k: e[k] for k in keys} for e in compiled] == [{k: e[k] for k in keys} for e in eager]
+    assert fallbacks == []
+
+
 def test_a_deferred_flag_read_is_acted_on_one_forward_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -24,6 +24,7 @@ from ti_core.capture.context import in_backward
 from ti_core.capture.gradients import GradHook
 from ti_core.capture.sample import Sample
 from ti_core.capture.traced_calls import record_traced_call
+from ti_core.compiled import torch_private
 from ti_core.compiled.operators import TraceFlags
 from ti_core.compiled.sites import Sites
 from ti_core.errors import ErrorPolicy
@@ -86,6 +87,19 @@ class CompiledGate:
     def intern_paths(self, paths: tuple[str, ...]) -> int:
         return self._sites.intern(paths)
 
+    def sentinel_slot(
+        self, layer: int, site: int, position: int, device: str, watched: bool
+    ) -> int:
+        sentinel = self._sentinel
+        if sentinel is None:
+            return -1
+        slots = sentinel.slots
+        if watched:
+            slots.gradient_hooks = True
+        path = self._sites.paths(site)[position]
+        trace = torch_private.current_compile_id()
+        return slots.traced_slot(trace, layer, path, torch.device(device))
+
     # ------------------------------------------------------------------ run time (operators)
 
     def compiled_begin(self) -> None:
@@ -101,20 +115,21 @@ class CompiledGate:
         except Exception as error:
             self._errors.handle(SAMPLING, error)
 
-    def _compiled_sentinel_end(self) -> None:
-        """A root forward whose root hooks were traced ended: the sentinel reads its flags."""
+    def _compiled_sentinel_end(self, slots: list[torch.Tensor]) -> None:
+        """A root forward whose root hooks were traced ended: the sentinel reads its flags
+        (``slots``: as the graph holds them)."""
         sentinel = self._sentinel
         if sentinel is None or self.closed:
             return
         try:
-            sentinel.end()
+            sentinel.end(slots)
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)
 
-    def compiled_end(self) -> None:
+    def compiled_end(self, slots: list[torch.Tensor]) -> None:
         if in_backward():
             return
-        self._compiled_sentinel_end()
+        self._compiled_sentinel_end(slots)
         local = self._local
         sample, local.sample = local.sample, None
         if sample is not None:
@@ -122,10 +137,10 @@ class CompiledGate:
         if not self.closed:
             self.decide_ahead()
 
-    def compiled_advance(self) -> None:
+    def compiled_advance(self, slots: list[torch.Tensor]) -> None:
         if self.closed or in_backward():
             return
-        self._compiled_sentinel_end()
+        self._compiled_sentinel_end(slots)
         if self._ahead is None:
             next(self._counter)  # another thread took this forward's decision: count it
         self._ahead = None

@@ -152,6 +152,8 @@ class Gate(CompiledGate):
         # forward, so per-module capture stays installed from attach to close.
         self._sentinel = sentinel
         self._flags.sentinel = sentinel is not None
+        self._flags.slots = None if sentinel is None else sentinel.slots
+        self._flags.gradient_checks = sentinel is not None and sentinel.checks_gradients
         # The run's step times (ti_core.cost): one clock read per outermost root forward,
         # after its decision (and, unsampled, after capture is removed) so that the work a
         # sample leaves for the next forward falls in the sampled step.
@@ -414,7 +416,7 @@ class Gate(CompiledGate):
             return
         try:
             if self._root_layer is not None:
-                sentinel.check(self._root_layer, output)
+                sentinel.check(self._root_layer, output, last=True)
             sentinel.end()
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)

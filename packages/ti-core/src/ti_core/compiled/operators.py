@@ -1,18 +1,21 @@
 """The runtime protocol between a compiled graph and its observer: seven custom operators.
 
-Compiled code runs Python only inside an operator the compiler treats as opaque; these
-operators are that door. Each is a ``torch.library.custom_op`` in the ``ti`` namespace, declared
-*effectful* (``EffectType.ORDERED``): without the declaration AOT autograd removes an operator
-whose result is unused as dead code; with it, the operator stays in the graph, in program order,
-threaded by an effect token (``test_compiled_torch_apis.py`` guards it). Each is tagged
-``cudagraph_unsafe`` (a CUDA-graph replay runs no Python), though inductor 2.13 does not see the
-tag through the effect wrapper, which is why CUDA graphs are refused (:mod:`.traced`).
+Compiled code runs Python only inside an operator the compiler treats as opaque; these operators
+are that door. Each is a ``torch.library.custom_op`` in the ``ti`` namespace (but
+``check_grad``, the one called per checked tensor in every compiled backward, defined with
+``torch.library.Library`` for a cheaper call), declared *effectful* (``EffectType.ORDERED``):
+without the declaration AOT autograd removes an operator whose result is unused as dead code;
+with it, the operator stays in the graph, in program order, threaded by an effect token
+(``test_compiled_torch_apis.py`` guards it). Each is tagged ``cudagraph_unsafe`` (a CUDA-graph
+replay runs no Python), though inductor 2.13 does not see the tag through the effect wrapper,
+which is why CUDA graphs are refused (:mod:`.traced`).
 
-The operators carry an integer observer key and trace-time constants only. Traced code reaches
-an observer's state through :data:`FLAGS` by that key (one source per object: Dynamo adds an
-aliasing guard, evaluated in Python on every call, when one object is reached two ways), and
-the operators find the gate through a weak registry, so a graph that outlives its observer runs
-them as no-ops.
+The operators carry an integer observer key and trace-time constants only (and, for ``advance``
+and ``end``, the sentinel's slots as the graph holds them: :mod:`ti_core.sentinel.slots`).
+Traced code reaches an observer's state through :data:`FLAGS` by that key (one source per
+object: Dynamo adds an aliasing guard, evaluated in Python on every call, when one object is
+reached two ways), and the operators find the gate through a weak registry, so a graph that
+outlives its observer runs them as no-ops.
 
 Ownership of gradient state: ``record_call`` returns a *ticket*, a CPU int64 tensor whose Python
 object carries the sample's gradient state (:data:`TICKET_STATE`). The gradient hooks that the
@@ -28,11 +31,14 @@ import itertools
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import torch
 
 from ti_core.compiled.torch_private import EffectType
+
+if TYPE_CHECKING:
+    from ti_core.sentinel.slots import FlagSlots
 
 NAMESPACE: Final[str] = "ti"
 TICKET_STATE: Final[str] = "_ti_gradient_state"
@@ -66,15 +72,23 @@ class CompiledTarget(Protocol):
         """Trace time: the number under which an output's tensor paths travel."""
         ...
 
+    def sentinel_slot(
+        self, layer: int, site: int, position: int, device: str, watched: bool
+    ) -> int:
+        """Trace time: the sentinel's slot for one output tensor of a call in the graph being
+        traced (-1: none); ``watched``: the graph checks its gradient."""
+        ...
+
     def compiled_begin(self) -> None:
         """Run time: a sampled root forward whose root hooks were traced starts."""
         ...
 
-    def compiled_end(self) -> None:
-        """Run time: a sampled root forward whose root hooks were traced ends."""
+    def compiled_end(self, slots: list[torch.Tensor]) -> None:
+        """Run time: a sampled root forward whose root hooks were traced ends (``slots``: the
+        sentinel's slots as the graph holds them, or empty)."""
         ...
 
-    def compiled_advance(self) -> None:
+    def compiled_advance(self, slots: list[torch.Tensor]) -> None:
         """Run time: an unsampled root forward whose root hooks were traced ends."""
         ...
 
@@ -112,13 +126,17 @@ class TraceFlags:
     cached graph (no recompilation once both exist). Written by the gate only.
     """
 
-    __slots__ = ("root_layer", "sampled", "sentinel", "tickets")
+    __slots__ = ("gradient_checks", "root_layer", "sampled", "sentinel", "slots", "tickets")
 
     def __init__(self, root_layer: int | None) -> None:
         self.sampled = False
+        """The root forward about to run (decided ahead: the next one) is sampled."""
         self.sentinel = False
         """The flight recorder's sentinel checks every forward (fixed at attach)."""
-        """The root forward about to run (decided ahead: the next one) is sampled."""
+        self.gradient_checks = False
+        """The sentinel checks gradients too (``"output_gradient"`` in its signals)."""
+        self.slots: FlagSlots | None = None
+        """The sentinel's slots, which compiled graphs write (set with :attr:`sentinel`)."""
         self.root_layer = root_layer
         """Index of the root among the selected modules, or None."""
         self.tickets: list[torch.Tensor] | None = None
@@ -237,33 +255,36 @@ def _record_grad_fake(grad: torch.Tensor, ticket: torch.Tensor, position: int) -
 
 
 @torch.library.custom_op(f"{NAMESPACE}::end", mutates_args=(), tags=_TAGS)
-def end(key: int, after: list[torch.Tensor]) -> None:
+def end(key: int, after: list[torch.Tensor], slots: list[torch.Tensor]) -> None:
     """End of a sampled root forward with traced root hooks: emit it, decide the next one.
 
     ``after`` holds the tickets of every ``record_call`` of the forward: a data dependency,
     because inductor does not keep an argument-less effectful operator in program order (it
-    ran ``end`` before captures it should follow, in a transformer block's graph).
+    ran ``end`` before captures it should follow, in a transformer block's graph). ``slots``:
+    the sentinel's slots and counter as this graph has written them (it writes them back to
+    the real tensors only when it returns), or empty.
     """
     target = target_of(key)
     if target is not None:
-        target.compiled_end()
+        target.compiled_end(slots)
 
 
 @end.register_fake
-def _end_fake(key: int, after: list[torch.Tensor]) -> None:
+def _end_fake(key: int, after: list[torch.Tensor], slots: list[torch.Tensor]) -> None:
     return None
 
 
 @torch.library.custom_op(f"{NAMESPACE}::advance", mutates_args=(), tags=_TAGS)
-def advance(key: int) -> None:
-    """End of an unsampled root forward with traced root hooks: count it, decide the next."""
+def advance(key: int, slots: list[torch.Tensor]) -> None:
+    """End of an unsampled root forward with traced root hooks: count it, decide the next
+    (``slots``: as for ``end``)."""
     target = target_of(key)
     if target is not None:
-        target.compiled_advance()
+        target.compiled_advance(slots)
 
 
 @advance.register_fake
-def _advance_fake(key: int) -> None:
+def _advance_fake(key: int, slots: list[torch.Tensor]) -> None:
     return None
 
 
@@ -283,24 +304,32 @@ def _check_fake(values: list[torch.Tensor], key: int, layer: int, site: int, wat
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::check_grad", mutates_args=(), tags=_TAGS)
-def check_grad(
+def _check_grad(
     low: torch.Tensor, high: torch.Tensor, key: int, layer: int, site: int, position: int
 ) -> None:
-    """The flight recorder's check of the gradient flowing into one checked output tensor."""
+    """The flight recorder's check of the gradient flowing into one checked output tensor:
+    the ``aminmax`` of that gradient, computed in the backward graph."""
     target = target_of(key)
     if target is not None:
         target.compiled_check_grad(low, high, layer, site, position)
 
 
-@check_grad.register_fake
-def _check_grad_fake(
-    low: torch.Tensor, high: torch.Tensor, key: int, layer: int, site: int, position: int
-) -> None:
-    return None
+# ``check_grad`` runs once per checked output per compiled backward, so it is defined with
+# ``torch.library.Library`` rather than ``custom_op``: no Python autograd wrapper (its
+# arguments never require grad; the C++ autograd fallback passes them through), about a
+# quarter of ``custom_op``'s dispatch cost per call. Same effect and tag as the others.
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIBRARY.define(  # type: ignore[no-untyped-call]
+    "check_grad(Tensor low, Tensor high, int key, int layer, int site, int position) -> ()",
+    tags=_TAGS,
+)
+_LIBRARY.impl("check_grad", _check_grad, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+torch.library.register_fake(f"{NAMESPACE}::check_grad", lambda *args: None, lib=_LIBRARY)
+_LIBRARY._register_effectful_op(f"{NAMESPACE}::check_grad", EffectType.ORDERED)
+check_grad: Final = torch.ops.ti.check_grad.default
 
-
-OPERATORS: Final = (begin, record_call, record_grad, end, advance, check, check_grad)
+OPERATORS: Final = (begin, record_call, record_grad, end, advance, check)
+"""The ``custom_op`` operators (``check_grad`` is defined with ``_LIBRARY``)."""
 for _op in OPERATORS:
     _op.register_effect(EffectType.ORDERED)
 

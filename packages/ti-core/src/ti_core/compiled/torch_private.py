@@ -9,7 +9,7 @@ Python internals are imported at trace time only, when Dynamo is loaded anyway.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, TypeVar
 
 from torch._library.effects import EffectType
@@ -79,6 +79,14 @@ def _backend_config(backend: Any) -> Mapping[str, Any] | None:
     return None
 
 
+def current_compile_id() -> Hashable:
+    """Trace time: the id of the compile being traced (one per graph Dynamo makes of a frame,
+    recompiles included: ``torch._guards.CompileContext.current_compile_id``)."""
+    from torch._guards import CompileContext
+
+    return CompileContext.current_compile_id()
+
+
 def in_nested_region() -> bool:
     """Trace time: whether the code being traced is the body of a higher-order region inside
     the graph (``torch.utils.checkpoint``, ``torch.cond``, ...), traced by a nested tracer."""
@@ -89,6 +97,7 @@ __all__ = [
     "EffectType",
     "assume_constant_result",
     "compiler_config",
+    "current_compile_id",
     "in_nested_region",
     "optimized_config",
     "skip_frames",

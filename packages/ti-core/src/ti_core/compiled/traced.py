@@ -43,6 +43,7 @@ from ti_core.compiled.operators import (
     record_grad,
     target_of,
 )
+from ti_core.sentinel.slots import flag_into
 
 NESTED: Final[int] = 3
 """A tensor that requires grad, output inside activation checkpointing (a higher-order region)
@@ -89,6 +90,17 @@ def _site(key: int, paths: tuple[str, ...]) -> int:
     """Trace time only: the number under which ``paths`` travel to ``record_call``."""
     target = target_of(key)
     return -1 if target is None else target.intern_paths(paths)
+
+
+@torch_private.assume_constant_result
+def _slot(key: int, layer: int, site: int, position: int, device: str, watched: bool) -> int:
+    """Trace time only: the sentinel's slot for this call's tensor at ``position`` of
+    ``site`` in the graph being traced (-1: none, the ``check`` operator takes it);
+    ``watched``: the graph checks its gradient."""
+    target = target_of(key)
+    if target is None:
+        return -1
+    return target.sentinel_slot(layer, site, position, device, watched)
 
 
 @torch_private.assume_constant_result
@@ -183,8 +195,8 @@ _CHECKED: Final = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _grad_checker(key: int, layer: int, site: int, position: int) -> Callable[[Tensor], None]:
-    """The sentinel's gradient hook for one output tensor: its gradient's ``aminmax``, computed
-    in the backward graph, to ``check_grad``; never changes the gradient."""
+    """The sentinel's gradient hook for one output tensor: its gradient's ``aminmax``,
+    computed in the backward graph, to ``check_grad``; never changes the gradient."""
 
     def report(grad: Tensor) -> None:
         low, high = torch.aminmax(grad.detach())
@@ -194,23 +206,41 @@ def _grad_checker(key: int, layer: int, site: int, position: int) -> Callable[[T
 
 
 def _check(key: int, layer: int, output: Any) -> None:
-    """The flight recorder's sentinel on one call, in every variant of the graph: the
-    ``aminmax`` of each floating tensor of the output (on its device, no host read) to one
-    ``check``, and a gradient hook on each one a gradient will reach."""
+    """The flight recorder's sentinel on one call, in every variant of the graph: each
+    floating tensor of the output is checked into a slot of its own by the graph itself
+    (:mod:`ti_core.sentinel.slots`), and the gradient of each one a gradient will reach by a
+    hook (its ``aminmax`` to ``check_grad``). Inside a higher-order region (activation
+    checkpointing), where a graph cannot write its inputs, and for a tensor without a slot,
+    the ``aminmax`` goes to one ``check`` instead."""
     leaves = [(p, t) for p, t in traced_leaves(output) if t.dtype in _CHECKED]
     if not leaves:
         return
-    values: list[Tensor] = []
-    for _, tensor in leaves:
-        low, high = torch.aminmax(tensor.detach())
-        values += [low, high]
     site = _site(key, tuple(p for p, _ in leaves))
+    nested = _nested()
+    flags = FLAGS[key]
     watched = (
         []
-        if not is_grad_enabled() or _nested()
+        if not flags.gradient_checks or not is_grad_enabled() or nested
         else [p for p, (_, t) in enumerate(leaves) if t.requires_grad and not t.is_leaf]
     )
-    check(values, key, layer, site, bool(watched))
+    slots = flags.slots
+    unslotted: list[int] = []
+    for position, (_, tensor) in enumerate(leaves):
+        slot = -1
+        if not nested and slots is not None:
+            slot = _slot(key, layer, site, position, str(tensor.device), position in watched)
+        if slot >= 0 and slots is not None and slots.slots is not None:
+            assert slots.sequence is not None  # made with the slots
+            flag_into(slots.slots, slots.sequence, slot, tensor.detach())
+        else:
+            unslotted.append(position)
+    if unslotted:
+        values: list[Tensor] = []
+        for position in unslotted:
+            low, high = torch.aminmax(leaves[position][1].detach())
+            values += [low, high]
+        paths = tuple(leaves[position][0] for position in unslotted)
+        check(values, key, layer, _site(key, paths), bool(watched))
     for position in watched:
         tensor = leaves[position][1]
         tensor.register_hook(_grad_checker(key, layer, site, position))  # type: ignore[no-untyped-call]
@@ -241,12 +271,18 @@ def root_exit(key: int, module: nn.Module, output: Any) -> None:
     flags = FLAGS[key]
     if flags.sentinel and flags.root_layer is not None:
         _check(key, flags.root_layer, output)
+    slots = flags.slots
+    current = (
+        [slots.slots, slots.sequence]
+        if flags.sentinel and slots is not None and slots.slots is not None
+        else []
+    )
     if not flags.sampled:
-        advance(key)
+        advance(key, current)
         return
     if flags.root_layer is not None:
         _capture(key, flags, flags.root_layer, module, output)
-    end(key, flags.tickets or [])
+    end(key, flags.tickets or [], current)
     flags.tickets = None
 
 

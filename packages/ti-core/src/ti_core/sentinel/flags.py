@@ -39,7 +39,7 @@ Flagged = list[tuple[int, str]]
 """``(layer, tensor_path)`` of every flagged tensor, in the order they were checked."""
 
 
-def _real_values(tensor: Tensor) -> Tensor | None:
+def real_values(tensor: Tensor) -> Tensor | None:
     """A detached real view of ``tensor``'s entries that aminmax and sum take (complex as
     real pairs, float8 and other narrow formats widened to float32: they have no such
     kernels); None when it cannot hold a non-finite value (integers, booleans, no entries) or
@@ -68,7 +68,7 @@ def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
     for CPU tensors, costs about twice as much inside a training step as alone: its second
     operand evicts the step's own data from the cache.)
     """
-    values = _real_values(tensor)
+    values = real_values(tensor)
     return () if values is None else tuple(torch.aminmax(values))
 
 
@@ -76,7 +76,7 @@ def cpu_nonfinite(tensor: Tensor) -> bool | None:
     """Whether the plain (``type(t) is Tensor``) CPU tensor holds a NaN or an infinity; None
     when it cannot (integers, booleans, no entries, not dense). Exact: a finite sum clears it,
     a non-finite one is decided by ``aminmax`` (finite entries can overflow a sum)."""
-    values = _real_values(tensor)
+    values = real_values(tensor)
     if values is None:
         return None
     total = values.sum(dtype=torch.float32) if values.dtype in _HALF else values.sum()
@@ -127,9 +127,11 @@ class Flags:
         kernel of the stream can overwrite them)."""
         if not values:
             return
-        if all(value.is_cpu for value in values):
-            if not all(isfinite(value.item()) for value in values):
-                self._flag(layer, path)
+        if all([value.is_cpu for value in values]):
+            for value in values:
+                if not isfinite(value.item()):
+                    self._flag(layer, path)
+                    break
             return
         entry = len(self.entries)
         self.entries.append((layer, path))
@@ -196,4 +198,4 @@ class PendingRead:
         return self._flags._flagged(bad)
 
 
-__all__ = ["Flagged", "Flags", "PendingRead", "cpu_nonfinite", "flag_values"]
+__all__ = ["Flagged", "Flags", "PendingRead", "cpu_nonfinite", "flag_values", "real_values"]

@@ -6,7 +6,9 @@ calls :meth:`FlightRecorder.begin`, :meth:`~FlightRecorder.check` and
 the compiled graphs hand it the values they computed, :meth:`~FlightRecorder.check_values`).
 Gradient checks are pre-hooks of the backward nodes that produced the outputs
 (:class:`GradientCheck`), living as long as the autograd graph; each backward's flags are read
-when it ends (an engine callback).
+when it ends (an engine callback). Compiled graphs write their output flags into slots
+(:mod:`~ti_core.sentinel.slots`), and so do the eager output checks of a run once it has a
+compiled graph; the slots are read with the root forward's other flags.
 
 Events (``ti.events`` rows) go to the sinks that declare ``write_events`` at once, on the
 thread that found them. State, changed under the recorder's lock::
@@ -36,8 +38,9 @@ from ti_core.capture.paths import tensor_leaves
 from ti_core.errors import ErrorPolicy
 from ti_core.sentinel.dense import DenseSampler
 from ti_core.sentinel.events import Event, event_batch
-from ti_core.sentinel.flags import Flagged, Flags, PendingRead
+from ti_core.sentinel.flags import Flagged, Flags, PendingRead, real_values
 from ti_core.sentinel.options import DEFAULT_DENSE_FORWARDS, Sentinel
+from ti_core.sentinel.slots import FlagSlots, PendingSlots
 from ti_schema import EventKind
 
 SENTINEL_STAGE: Final = "sentinel check"
@@ -49,13 +52,15 @@ forgotten: their backward never came)."""
 class _Forward:
     """One root forward's output flags (per thread) and its backward's gradient flags."""
 
-    __slots__ = ("gradients", "index", "outputs", "watched")
+    __slots__ = ("calls", "gradients", "index", "outputs", "watched")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.outputs = Flags()
         self.gradients: _GradientFlush | None = None
         self.watched = False  # a gradient check was hooked on one of its outputs
+        self.calls: dict[tuple[int, str], int] | None = None
+        """Its eager calls per checked tensor, once the run has slots (each has its own)."""
 
 
 class FlightRecorder:
@@ -91,7 +96,11 @@ class FlightRecorder:
         self._closed = False
         self._clean_outputs: dict[int, bool] = {}
         """Root forwards whose output check was clean, waiting for their gradient check."""
-        self._pending: list[tuple[str, int, PendingRead, bool]] = []
+        self._pending: list[tuple[Callable[[], bool] | None, Callable[[], None]]] = []
+        """Reads asked for on an accelerator: ``(ready, act)``; ``ready`` None: act at the next
+        root forward's end whatever (an output read, one forward later)."""
+        self.slots = FlagSlots()
+        """The slots compiled graphs (and, once there is one, the eager checks) write."""
         self._last: _Forward | None = None
         """The latest root forward that ended (compiled gradient checks belong to it)."""
         self._latest: Callable[[], int] = lambda: -1
@@ -109,22 +118,32 @@ class FlightRecorder:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def checks_gradients(self) -> bool:
+        """Whether the gradients flowing into the outputs are checked."""
+        return self._gradients
+
     # ------------------------------------------------------------------ the checks
 
     def begin(self, index: int) -> None:
         """An outermost root forward starts on this thread."""
         self._local.forward = _Forward(index)
 
-    def check(self, layer: int, output: object) -> None:
-        """A selected module returned ``output`` in this thread's root forward."""
+    def check(self, layer: int, output: object, *, last: bool = False) -> None:
+        """A selected module returned ``output`` in this thread's root forward (``last``: the
+        root's own output, checked after every other check of the forward, whose flags come
+        after the slots' anyway: it needs no slot)."""
         forward: _Forward | None = getattr(self._local, "forward", None)
         if forward is None:
             return
         leaves = (("", output),) if isinstance(output, Tensor) else tensor_leaves(output)
         outputs = forward.outputs if self._outputs else None
         gradients = self._gradients and torch.is_grad_enabled()
+        slotted = self.slots.active and not last  # a compiled run: checks write slots
         for path, tensor in leaves:
-            if outputs is not None:
+            if outputs is not None and not (
+                slotted and self._slot_check(forward, layer, path, tensor)
+            ):
                 outputs.add(layer, path, tensor)
             if gradients and tensor.requires_grad:
                 node = tensor.grad_fn
@@ -136,6 +155,21 @@ class FlightRecorder:
                 check = GradientCheck(self._self_ref, forward, layer, path, tensor.output_nr)
                 node.register_prehook(check)
                 forward.watched = True
+
+    def _slot_check(self, forward: _Forward, layer: int, path: str, tensor: Tensor) -> bool:
+        """Check an eager output into a slot of its own (so its order against the compiled
+        graphs' checks is exact); False when it gets none (then it is checked as usual)."""
+        values = real_values(tensor)
+        if values is None:
+            return True  # nothing to check
+        calls = forward.calls
+        if calls is None:
+            calls = forward.calls = {}
+        slot = self.slots.eager_slot(calls, layer, path, values.device)
+        if slot < 0:
+            return False
+        self.slots.flag(slot, values)
+        return True
 
     def check_values(
         self, layer: int, paths: Sequence[str], values: Sequence[Tensor], *, watched: bool
@@ -156,27 +190,47 @@ class FlightRecorder:
         the latest root forward that ended (a compiled graph carries no forward identity)."""
         forward = self._last
         if forward is None or self._closed or not self._gradients:
-            return  # (the graph checks gradients whatever the options: it cannot see them)
+            return  # (a graph checks gradients only when the sentinel does: a safeguard)
         flush = forward.gradients
         if flush is None:
             flush = forward.gradients = _GradientFlush(self._self_ref, forward)
         flush.add_values(layer, path, low, high)
 
-    def end(self) -> None:
-        """The outermost root forward ended on this thread: read its flags (on an accelerator,
-        ask for them and act on the ones asked for one root forward ago)."""
+    def end(self, current: list[Tensor] | None = None) -> None:
+        """The outermost root forward ended on this thread: read its flags and the slots (on
+        an accelerator, ask for them and act on the ones asked for one root forward ago).
+        ``current``: the slots as the graph that ends the forward holds them (its root hooks
+        traced: it writes them back after this)."""
         forward: _Forward | None = getattr(self._local, "forward", None)
         self._local.forward = None
         self._settle()
+        if forward is None and self.slots.active:  # root hooks traced: no eager begin
+            forward = _Forward(self._latest())
         if forward is None or self._closed:
             return
         self._last = forward
         result = forward.outputs.read()
-        if isinstance(result, PendingRead):
+        slotted: Flagged | PendingSlots = self.slots.read(current) if self.slots.active else []
+        # A compiled graph that checks a slotted output's gradient (``ti::check_grad``): its
+        # forward is re-armed only once that check is clean too, as in eager mode. (Inside a
+        # graph's operator, ``current``, the caller's grad mode is not visible: assumed on.)
+        watched = forward.watched or (
+            self._gradients
+            and self.slots.gradient_hooks
+            and (current is not None or torch.is_grad_enabled())
+        )
+        if isinstance(result, PendingRead) or isinstance(slotted, PendingSlots):
+
+            def act() -> None:
+                flagged = result.result() if isinstance(result, PendingRead) else result
+                found = slotted.result() if isinstance(slotted, PendingSlots) else slotted
+                # slots first: the checks without one are the operators' fallbacks
+                self._outputs_read(forward.index, found + flagged, watched=watched)
+
             with self._lock:
-                self._pending.append(("output", forward.index, result, forward.watched))
+                self._pending.append((None, act))
             return
-        self._outputs_read(forward.index, result, watched=forward.watched)
+        self._outputs_read(forward.index, slotted + result, watched=watched)
 
     def _settle(self, *, wait: bool = False) -> None:
         """Act on the reads asked for earlier (those ready, or all when ``wait``)."""
@@ -186,13 +240,9 @@ class FlightRecorder:
             pending, self._pending = self._pending, []
         later = []
         for item in pending:
-            signal, index, read, watched = item
-            if wait or signal == "output" or read.ready():  # an output read: one forward ago
-                flagged = read.result()
-                if signal == "output":
-                    self._outputs_read(index, flagged, watched=watched)
-                else:
-                    self._gradients_read(index, flagged)
+            ready, act = item
+            if wait or ready is None or ready():
+                act()
             else:
                 later.append(item)
         if later:
@@ -215,8 +265,13 @@ class FlightRecorder:
         """One backward's gradient checks for root forward ``index`` are complete."""
         result = flags.read()
         if isinstance(result, PendingRead):
+            read = result
+
+            def act() -> None:
+                self._gradients_read(index, read.result())
+
             with self._lock:
-                self._pending.append(("output_gradient", index, result, True))
+                self._pending.append((read.ready, act))
             return
         self._gradients_read(index, result)
 

@@ -1,0 +1,187 @@
+"""The sentinel's output flags under ``torch.compile``: slots of one tensor that graphs write.
+
+A custom operator per checked call costs tens of microseconds (custom-op dispatch, the effect
+token), more than a small compiled step's own work. Instead each checked output tensor of a
+compiled graph has a *slot*, numbered at trace time, in one int64 tensor that the graph itself
+updates (:func:`flag_into`, a mutation of a graph input, which the compiler keeps and fuses
+like any other op). Every check increments a counter (:attr:`FlagSlots.sequence`); a check that
+finds a non-finite entry writes the counter's value into its slot. A read
+(:meth:`FlagSlots.read`, once per root forward) takes the slots written since the previous
+read, in the order their checks ran: across graphs, graph breaks and recompiles, because
+each call of a module in each compiled graph (and each eager call in a forward) has a slot of
+its own. The reader never writes the tensors, so the graphs' write-back of their mutations
+cannot undo a read. Once any graph has a slot, the recorder's eager output checks (the root's
+output after an ``OptimizedModule``'s graph, code between graph breaks) write slots too, so
+their order against the graph's is exact as well.
+
+Gradients are not checked here: a tensor a backward graph writes would be saved for that
+backward, and a forward (or another backward) writing it in between makes autograd refuse it
+(gradient accumulation would break). The ``ti::check_grad`` operator checks them.
+
+Ownership: the flight recorder owns one :class:`FlagSlots`; the gate hands it to traced code
+through its ``TraceFlags`` (the one source Dynamo reaches it by). The tensors live on the device
+of the first slot asked for and are never replaced (compiled graphs guard on them); a tensor
+on another device, or past :data:`CAPACITY` slots, gets none (the caller falls back to the
+``ti::check`` operator). Eager writes go through ``.data``: they leave the version counter
+alone. On an accelerator the read is asynchronous: the slots are copied to the host behind a
+CUDA event and the caller acts on the copy one root forward later.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from typing import Final
+
+import torch
+from torch import Tensor
+
+from ti_core.sentinel.flags import Flagged
+
+CAPACITY: Final = 8192
+"""Slots per run (64 KiB of int64): checked calls past it fall back to the operator."""
+
+
+def flag_into(slots: Tensor, sequence: Tensor, slot: int, values: Tensor) -> None:
+    """Check ``values`` (a floating tensor, detached) into ``slot``: traced into compiled
+    graphs, and run eagerly for the eager checks of a compiled run. Exact: ``aminmax``'s two
+    are finite exactly when every entry is, and cannot overflow."""
+    low, high = torch.aminmax(values)
+    clean = torch.isfinite(low) & torch.isfinite(high)
+    sequence.add_(1)
+    # ``index_put_`` with a tensor index: inductor writes the one entry (``slots[slot] = v``
+    # becomes a ``select_scatter`` that it lowers to a pass over every slot, per check).
+    where = torch.full((1,), slot, dtype=torch.int64, device=slots.device)
+    slots.index_put_((where,), torch.where(clean, slots[slot], sequence[0]).reshape(1))
+
+
+class FlagSlots:
+    """The slots of one flight recorder: their tensors, what each slot checks, their reads."""
+
+    __slots__ = (
+        "_entries",
+        "_lock",
+        "_numbers",
+        "_read_up_to",
+        "_trace_calls",
+        "gradient_hooks",
+        "sequence",
+        "slots",
+    )
+
+    def __init__(self) -> None:
+        self.slots: Tensor | None = None
+        """The flags (int64, :data:`CAPACITY`), on the device of the first slot asked for."""
+        self.sequence: Tensor | None = None
+        """The checks' counter (int64, one element), on the same device."""
+        self.gradient_hooks = False
+        """Whether a compiled graph checks the gradient of a slotted output (then a forward's
+        clean outputs re-arm the sentinel only once its gradients are clean too)."""
+        self._numbers: dict[tuple[int, str, Hashable, int], int] = {}
+        self._entries: list[tuple[int, str]] = []
+        self._trace_calls: dict[Hashable, dict[tuple[int, str], int]] = {}
+        """Per compiled graph (its compile id), the calls traced so far per checked tensor."""
+        self._read_up_to = 0
+        """The counter's value at the last read: slots above it are new."""
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        """Whether any slot exists (then the recorder's eager checks write slots too)."""
+        return bool(self._entries)
+
+    def traced_slot(self, trace: Hashable, layer: int, path: str, device: torch.device) -> int:
+        """Trace time: the slot of the next call of ``layer`` (its tensor at ``path``) in the
+        graph being traced (``trace``: its compile id); -1: none."""
+        with self._lock:
+            calls = self._trace_calls.setdefault(trace, {})
+            occurrence = calls.get((layer, path), 0)
+            calls[layer, path] = occurrence + 1
+            return self._slot_locked((layer, path, trace, occurrence), device)
+
+    def eager_slot(
+        self, calls: dict[tuple[int, str], int], layer: int, path: str, device: torch.device
+    ) -> int:
+        """The slot of an eager call in a root forward (``calls``: that forward's count of
+        its eager calls per tensor); -1: none."""
+        occurrence = calls.get((layer, path), 0)
+        calls[layer, path] = occurrence + 1
+        with self._lock:
+            return self._slot_locked((layer, path, None, occurrence), device)
+
+    def _slot_locked(self, key: tuple[int, str, Hashable, int], device: torch.device) -> int:
+        slots = self.slots
+        if slots is None:
+            self.slots = torch.zeros(CAPACITY, dtype=torch.int64, device=device)
+            self.sequence = torch.zeros(1, dtype=torch.int64, device=device)
+        elif slots.device != device:
+            return -1
+        number = self._numbers.get(key)
+        if number is None:
+            if len(self._entries) >= CAPACITY:
+                return -1
+            number = self._numbers[key] = len(self._entries)
+            self._entries.append((key[0], key[1]))
+        return number
+
+    def flag(self, slot: int, values: Tensor) -> None:
+        """An eager check into ``slot`` (``.data``: the version counters stay)."""
+        assert self.slots is not None
+        assert self.sequence is not None
+        flag_into(self.slots.data, self.sequence.data, slot, values)
+
+    def read(self, current: list[Tensor] | None = None) -> Flagged | PendingSlots:
+        """The slots flagged since the last read, in check order; on an accelerator a
+        :class:`PendingSlots` to ask later. ``current``: the slots and the counter as a
+        graph hands them to an operator before it writes them back (its root hooks traced)."""
+        slots, sequence = current if current else (self.slots, self.sequence)
+        used = len(self._entries)  # (entries are only appended: the first ``used`` stay)
+        if slots is None or sequence is None or not used:
+            return []
+        view = slots.data[:used]
+        if view.is_cpu:
+            up_to = int(sequence.data[0])
+            since, self._read_up_to = self._read_up_to, up_to
+            if up_to == since or not bool((view > since).any()):
+                return []
+            return _in_order(self._entries[:used], view.tolist(), since)
+        return PendingSlots(self, torch.cat([sequence.data, view]), self._entries[:used])
+
+    def _acted(self, up_to: int) -> int:
+        since, self._read_up_to = self._read_up_to, up_to
+        return since
+
+
+def _in_order(entries: list[tuple[int, str]], values: list[int], since: int) -> Flagged:
+    flagged = sorted((value, number) for number, value in enumerate(values) if value > since)
+    return [entries[number] for _, number in flagged]
+
+
+class PendingSlots:
+    """A read of the slots in flight from an accelerator: :meth:`ready`, then :meth:`result`
+    (results are taken in the order the reads were asked for)."""
+
+    __slots__ = ("_entries", "_event", "_host", "_owner")
+
+    def __init__(self, owner: FlagSlots, values: Tensor, entries: list[tuple[int, str]]) -> None:
+        self._owner = owner
+        self._entries = entries
+        self._host = values.to("cpu", non_blocking=True)
+        self._event: object | None = None
+        if values.device.type == "cuda":
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(values.device))
+            self._event = event
+
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())  # type: ignore[attr-defined]
+
+    def result(self) -> Flagged:
+        if self._event is not None:
+            self._event.synchronize()  # type: ignore[attr-defined]
+        values = self._host.tolist()
+        since = self._owner._acted(values[0])
+        return _in_order(self._entries, values[1:], since)
+
+
+__all__ = ["CAPACITY", "FlagSlots", "PendingSlots", "flag_into"]
