@@ -348,7 +348,7 @@ def test_compile_ids_tell_graphs_apart_and_a_graph_writes_a_global_tensor_back()
     """``torch._guards.CompileContext.current_compile_id`` (``torch_private``): one value
     while one graph is traced (also when Dynamo traces it again after a graph break), another
     for the next graph; the sentinel's
-    slots (``ti_core.sentinel.slots``) number each call per graph by it. And a compiled graph
+    slots (``ti_core.compiled.slots``) number each call per graph by it. And a compiled graph
     (inductor) that writes a tensor reached through a global object writes it back when it
     returns, handing an operator the values it has written so far, without saving the tensor
     for backward (a second forward before the backward does not break it)."""
@@ -388,7 +388,7 @@ def test_compile_ids_tell_graphs_apart_and_a_graph_writes_a_global_tensor_back()
     names_graphs = len(set(ids)) == 2 and ids[0] == ids[1] != ids[-1]
     assert names_graphs, (
         "torch._guards.CompileContext.current_compile_id no longer names one graph per trace: "
-        "ti_core.sentinel.slots needs another way to give each graph's calls their own slots"
+        "ti_core.compiled.slots needs another way to give each graph's calls their own slots"
     )
     assert Box.slots.tolist() == [0, 7, 0, 0], "a graph no longer writes a global tensor back"
     assert seen[0] == [0, 7, 0, 0], (

@@ -15,6 +15,7 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
 
 import ti_core
 from ti_core import EveryNForwardsSampler, MemorySink, Sentinel, trigger_capture
@@ -620,6 +621,70 @@ def test_compiled_slots_name_what_eager_names_across_graphs_and_shared_calls() -
     keys = ("forward_index", "signal", "layer", "layers", "tensor_paths")
     assert [{k: e[k] for k in keys} for e in compiled] == [{k: e[k] for k in keys} for e in eager]
     assert fallbacks == []
+
+
+class Checkpointed(nn.Module):
+    """first -> checkpoint(inner: Linear -> Tanh) -> head; a NaN weight in ``inner[0]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = checkpoint(self.inner, self.first(x), use_reentrant=False)
+        return self.head(inner)  # type: ignore[no-any-return]
+
+
+def _checkpointed_events(compile_it: bool) -> list[dict[str, object]]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Checkpointed()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=1))
+    target = torch.compile(model) if compile_it else model
+    try:
+        for step in range(6):
+            if step == 3:
+                with torch.no_grad():
+                    model.inner[0].weight[0, 0] = math.nan
+            target(torch.randn(3 + step, 4)).sum().backward()  # new shapes: recompiles
+    finally:
+        ti_core.remove_observer(model)
+        torch._dynamo.reset()
+    return _events(sink)
+
+
+@pytest.mark.slow
+def test_compiled_checks_inside_activation_checkpointing_keep_their_order() -> None:
+    """Inside ``torch.utils.checkpoint`` a compiled graph cannot write the slots, so those
+    checks go to ``ti::check`` with the slots' counter: they fall in place among the slots'
+    flags (before ``head``, checked in a slot after them), through recompiles too."""
+    eager = _checkpointed_events(compile_it=False)
+    compiled = _checkpointed_events(compile_it=True)
+    keys = ("forward_index", "signal", "layer", "layers")
+    assert [{k: e[k] for k in keys} for e in eager] == [
+        {
+            "forward_index": 3,
+            "signal": "output",
+            "layer": "inner.0",
+            "layers": ["inner.0", "inner.1", "head"],
+        }
+    ]
+    assert [{k: e[k] for k in keys} for e in compiled] == [{k: e[k] for k in keys} for e in eager]
+
+
+@pytest.mark.slow
+def test_checks_past_the_slots_capacity_fall_back_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With room for one slot (``first``'s) the checks after it go to ``ti::check``, in place."""
+    monkeypatch.setattr("ti_core.compiled.slots.CAPACITY", 1)
+    eager = _checkpointed_events(compile_it=False)
+    compiled = _checkpointed_events(compile_it=True)
+    keys = ("forward_index", "signal", "layer", "layers")
+    assert [{k: e[k] for k in keys} for e in compiled] == [{k: e[k] for k in keys} for e in eager]
 
 
 def test_a_deferred_flag_read_is_acted_on_one_forward_later(

@@ -100,6 +100,10 @@ class CompiledGate:
         trace = torch_private.current_compile_id()
         return slots.traced_slot(trace, layer, path, torch.device(device))
 
+    def sentinel_counter(self, device: str) -> bool:
+        sentinel = self._sentinel
+        return sentinel is not None and sentinel.slots.prepare(torch.device(device))
+
     # ------------------------------------------------------------------ run time (operators)
 
     def compiled_begin(self) -> None:
@@ -147,13 +151,20 @@ class CompiledGate:
         self.decide_ahead()
 
     def compiled_check(
-        self, values: list[torch.Tensor], layer: int, site: int, watched: bool
+        self,
+        values: list[torch.Tensor],
+        layer: int,
+        site: int,
+        watched: bool,
+        order: list[torch.Tensor],
     ) -> None:
         sentinel = self._sentinel
         if sentinel is None or self.closed or in_backward():
             return
         try:
-            sentinel.check_values(layer, self._sites.paths(site), values, watched=watched)
+            paths = self._sites.paths(site)
+            counter = order[0] if order else None
+            sentinel.check_values(layer, paths, values, watched=watched, order=counter)
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)
 

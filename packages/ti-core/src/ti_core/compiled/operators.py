@@ -11,7 +11,7 @@ replay runs no Python), though inductor 2.13 does not see the tag through the ef
 which is why CUDA graphs are refused (:mod:`.traced`).
 
 The operators carry an integer observer key and trace-time constants only (and, for ``advance``
-and ``end``, the sentinel's slots as the graph holds them: :mod:`ti_core.sentinel.slots`).
+and ``end``, the sentinel's slots as the graph holds them: :mod:`ti_core.compiled.slots`).
 Traced code reaches an observer's state through :data:`FLAGS` by that key (one source per
 object: Dynamo adds an aliasing guard, evaluated in Python on every call, when one object is
 reached two ways), and the operators find the gate through a weak registry, so a graph that
@@ -38,7 +38,7 @@ import torch
 from ti_core.compiled.torch_private import EffectType
 
 if TYPE_CHECKING:
-    from ti_core.sentinel.slots import FlagSlots
+    from ti_core.compiled.slots import FlagSlots
 
 NAMESPACE: Final[str] = "ti"
 TICKET_STATE: Final[str] = "_ti_gradient_state"
@@ -79,6 +79,11 @@ class CompiledTarget(Protocol):
         traced (-1: none); ``watched``: the graph checks its gradient."""
         ...
 
+    def sentinel_counter(self, device: str) -> bool:
+        """Trace time: make the sentinel's slots (on ``device``) for a check without a slot to
+        read their counter; False: none there."""
+        ...
+
     def compiled_begin(self) -> None:
         """Run time: a sampled root forward whose root hooks were traced starts."""
         ...
@@ -93,10 +98,16 @@ class CompiledTarget(Protocol):
         ...
 
     def compiled_check(
-        self, values: list[torch.Tensor], layer: int, site: int, watched: bool
+        self,
+        values: list[torch.Tensor],
+        layer: int,
+        site: int,
+        watched: bool,
+        order: list[torch.Tensor],
     ) -> None:
         """Run time: the sentinel's values (``aminmax`` pairs) of one call's tensors;
-        ``watched``: the graph checks the gradient of at least one of them."""
+        ``watched``: the graph checks the gradient of at least one of them; ``order``: the
+        slots' counter at this call (one tensor), or empty."""
         ...
 
     def compiled_check_grad(
@@ -289,18 +300,34 @@ def _advance_fake(key: int, slots: list[torch.Tensor]) -> None:
 
 
 @torch.library.custom_op(f"{NAMESPACE}::check", mutates_args=(), tags=_TAGS)
-def check(values: list[torch.Tensor], key: int, layer: int, site: int, watched: bool) -> None:
-    """The flight recorder's check of one call of a selected module, on every compiled forward:
-    ``values`` holds the ``aminmax`` of each checked tensor (computed in the graph, on the
-    tensors' device), in the order of the paths interned as ``site``; ``watched``: a gradient
-    check of the graph's backward waits on one of them (decided at trace time)."""
+def check(
+    values: list[torch.Tensor],
+    key: int,
+    layer: int,
+    site: int,
+    watched: bool,
+    order: list[torch.Tensor],
+) -> None:
+    """The flight recorder's check of one call of a selected module without a slot (inside
+    activation checkpointing, or past the slots' capacity): ``values`` holds the ``aminmax``
+    of each checked tensor (computed in the graph, on the tensors' device), in the order of
+    the paths interned as ``site``; ``watched``: a gradient check of the graph's backward
+    waits on one of them (decided at trace time); ``order``: the slots' counter as the graph
+    holds it here, so the check falls in place among the slots' flags (or empty)."""
     target = target_of(key)
     if target is not None:
-        target.compiled_check(values, layer, site, watched)
+        target.compiled_check(values, layer, site, watched, order)
 
 
 @check.register_fake
-def _check_fake(values: list[torch.Tensor], key: int, layer: int, site: int, watched: bool) -> None:
+def _check_fake(
+    values: list[torch.Tensor],
+    key: int,
+    layer: int,
+    site: int,
+    watched: bool,
+    order: list[torch.Tensor],
+) -> None:
     return None
 
 

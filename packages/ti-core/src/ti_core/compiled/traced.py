@@ -43,7 +43,7 @@ from ti_core.compiled.operators import (
     record_grad,
     target_of,
 )
-from ti_core.sentinel.slots import flag_into
+from ti_core.compiled.slots import flag_into
 
 NESTED: Final[int] = 3
 """A tensor that requires grad, output inside activation checkpointing (a higher-order region)
@@ -101,6 +101,14 @@ def _slot(key: int, layer: int, site: int, position: int, device: str, watched: 
     if target is None:
         return -1
     return target.sentinel_slot(layer, site, position, device, watched)
+
+
+@torch_private.assume_constant_result
+def _counter(key: int, device: str) -> bool:
+    """Trace time only: whether a check without a slot can read the slots' counter on
+    ``device`` (made there if there are none yet)."""
+    target = target_of(key)
+    return target is not None and target.sentinel_counter(device)
 
 
 @torch_private.assume_constant_result
@@ -208,7 +216,7 @@ def _grad_checker(key: int, layer: int, site: int, position: int) -> Callable[[T
 def _check(key: int, layer: int, output: Any) -> None:
     """The flight recorder's sentinel on one call, in every variant of the graph: each
     floating tensor of the output is checked into a slot of its own by the graph itself
-    (:mod:`ti_core.sentinel.slots`), and the gradient of each one a gradient will reach by a
+    (:mod:`ti_core.compiled.slots`), and the gradient of each one a gradient will reach by a
     hook (its ``aminmax`` to ``check_grad``). Inside a higher-order region (activation
     checkpointing), where a graph cannot write its inputs, and for a tensor without a slot,
     the ``aminmax`` goes to one ``check`` instead."""
@@ -240,7 +248,13 @@ def _check(key: int, layer: int, output: Any) -> None:
             low, high = torch.aminmax(leaves[position][1].detach())
             values += [low, high]
         paths = tuple(leaves[position][0] for position in unslotted)
-        check(values, key, layer, _site(key, paths), bool(watched))
+        device = str(leaves[unslotted[0]][1].device)
+        order = (
+            [slots.sequence]
+            if slots is not None and _counter(key, device) and slots.sequence is not None
+            else []
+        )
+        check(values, key, layer, _site(key, paths), bool(watched), order)
     for position in watched:
         tensor = leaves[position][1]
         tensor.register_hook(_grad_checker(key, layer, site, position))  # type: ignore[no-untyped-call]

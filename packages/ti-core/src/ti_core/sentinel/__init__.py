@@ -2,8 +2,8 @@
 the dense captures an event (or the training loop, :func:`ti_core.trigger_capture`) sets off.
 
 :mod:`.options` (``Sentinel``), :mod:`.flags` (device-side flags, one read per check),
-:mod:`.slots` (the output flags compiled graphs write), :mod:`.recorder` (the checks' state and
-the events), :mod:`.dense` (forwards sampled in full),
+:mod:`.recorder` (the checks' state and the events; the output flags compiled graphs write are
+:mod:`ti_core.compiled.slots`), :mod:`.dense` (forwards sampled in full),
 :mod:`.events` (``ti.events`` rows). docs/capture.md, "Flight recorder".
 """
 

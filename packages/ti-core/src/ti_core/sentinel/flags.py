@@ -18,6 +18,7 @@ one root forward later.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from math import isfinite
 from typing import Final
@@ -89,7 +90,7 @@ def cpu_nonfinite(tensor: Tensor) -> bool | None:
 class Flags:
     """The flags of one check (a root forward's outputs, or one backward's gradients)."""
 
-    __slots__ = ("accelerated", "entries", "flagged", "owners", "values")
+    __slots__ = ("accelerated", "entries", "flagged", "keys", "orders", "owners", "values")
 
     def __init__(self) -> None:
         self.entries: list[tuple[int, str]] = []
@@ -101,6 +102,11 @@ class Flags:
         """The entry each value belongs to."""
         self.accelerated = False
         """Whether any value lives off the CPU (then :meth:`read` is asynchronous)."""
+        self.orders: dict[int, int | Tensor] = {}
+        """Per entry of a compiled graph's operator, the slots' counter when it was checked
+        (:mod:`~ti_core.compiled.slots`): where it falls among the slots' flags."""
+        self.keys: list[float] = []
+        """Per entry of the last read's result, that order (infinity: none, after the slots)."""
 
     def add(self, layer: int, path: str, tensor: Tensor) -> None:
         """Check one tensor: a plain CPU one at once, others queued on their device."""
@@ -118,8 +124,11 @@ class Flags:
             if not tensor.is_cpu:
                 self.accelerated = True
 
-    def add_values(self, layer: int, path: str, values: Sequence[Tensor]) -> None:
-        """Flag values a compiled graph computed for one tensor (its ``aminmax``).
+    def add_values(
+        self, layer: int, path: str, values: Sequence[Tensor], order: Tensor | None = None
+    ) -> None:
+        """Flag values a compiled graph computed for one tensor (its ``aminmax``); ``order``:
+        the slots' counter at that check (a 0-d or one-element tensor), or None.
 
         They live in the graph's buffers, which the compiler reuses for later results once
         the operator that received them returns: they are read now on the CPU, and copied
@@ -130,7 +139,7 @@ class Flags:
         if all([value.is_cpu for value in values]):
             for value in values:
                 if not isfinite(value.item()):
-                    self._flag(layer, path)
+                    self._flag(layer, path, None if order is None else int(order.item()))
                     break
             return
         entry = len(self.entries)
@@ -138,10 +147,14 @@ class Flags:
         owned = torch.stack(list(values)).unbind()
         self.values.extend(owned)
         self.owners.extend([entry] * len(owned))
+        if order is not None:
+            self.orders[entry] = order.clone()
         self.accelerated = True
 
-    def _flag(self, layer: int, path: str) -> None:
+    def _flag(self, layer: int, path: str, order: int | None = None) -> None:
         """Record a tensor known to be flagged."""
+        if order is not None:
+            self.orders[len(self.entries)] = order
         self.flagged.append(len(self.entries))
         self.entries.append((layer, path))
 
@@ -158,7 +171,15 @@ class Flags:
 
     def _flagged(self, positions: Iterable[int]) -> Flagged:
         entries = sorted({self.owners[p] for p in positions}.union(self.flagged))
+        orders = self.orders
+        self.keys = [_key(orders.get(e)) for e in entries]
         return [self.entries[e] for e in entries]
+
+
+def _key(order: int | Tensor | None) -> float:
+    if order is None:
+        return math.inf
+    return float(order if isinstance(order, int) else order.item())
 
 
 class PendingRead:

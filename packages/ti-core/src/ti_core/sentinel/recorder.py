@@ -7,7 +7,7 @@ the compiled graphs hand it the values they computed, :meth:`~FlightRecorder.che
 Gradient checks are pre-hooks of the backward nodes that produced the outputs
 (:class:`GradientCheck`), living as long as the autograd graph; each backward's flags are read
 when it ends (an engine callback). Compiled graphs write their output flags into slots
-(:mod:`~ti_core.sentinel.slots`), and so do the eager output checks of a run once it has a
+(:mod:`~ti_core.compiled.slots`), and so do the eager output checks of a run once it has a
 compiled graph; the slots are read with the root forward's other flags.
 
 Events (``ti.events`` rows) go to the sinks that declare ``write_events`` at once, on the
@@ -35,12 +35,12 @@ from torch import Tensor
 
 from ti_core.capture.context import now_us
 from ti_core.capture.paths import tensor_leaves
+from ti_core.compiled.slots import FlagSlots, Keyed, PendingSlots, merge
 from ti_core.errors import ErrorPolicy
 from ti_core.sentinel.dense import DenseSampler
 from ti_core.sentinel.events import Event, event_batch
 from ti_core.sentinel.flags import Flagged, Flags, PendingRead, real_values
 from ti_core.sentinel.options import DEFAULT_DENSE_FORWARDS, Sentinel
-from ti_core.sentinel.slots import FlagSlots, PendingSlots
 from ti_schema import EventKind
 
 SENTINEL_STAGE: Final = "sentinel check"
@@ -172,18 +172,26 @@ class FlightRecorder:
         return True
 
     def check_values(
-        self, layer: int, paths: Sequence[str], values: Sequence[Tensor], *, watched: bool
+        self,
+        layer: int,
+        paths: Sequence[str],
+        values: Sequence[Tensor],
+        *,
+        watched: bool,
+        order: Tensor | None = None,
     ) -> None:
         """What a compiled graph computed for one call: ``aminmax`` of each tensor, in pairs;
         ``watched``: the graph's backward checks the gradient of one of them (the forward is
-        re-armed only once that check is clean too, as in eager mode)."""
+        re-armed only once that check is clean too, as in eager mode); ``order``: the slots'
+        counter at this call (where it falls among the slots' flags), or None."""
         forward: _Forward | None = getattr(self._local, "forward", None)
         if forward is None:
             forward = self._local.forward = _Forward(self._latest())
         if watched and self._gradients:
             forward.watched = True
         for position, path in enumerate(paths):
-            forward.outputs.add_values(layer, path, values[2 * position : 2 * position + 2])
+            pair = values[2 * position : 2 * position + 2]
+            forward.outputs.add_values(layer, path, pair, order)
 
     def check_gradient_values(self, layer: int, path: str, low: Tensor, high: Tensor) -> None:
         """A compiled graph's gradient check (``aminmax`` of the gradient of one output), for
@@ -210,7 +218,7 @@ class FlightRecorder:
             return
         self._last = forward
         result = forward.outputs.read()
-        slotted: Flagged | PendingSlots = self.slots.read(current) if self.slots.active else []
+        slotted: Keyed | PendingSlots = self.slots.read(current) if self.slots.active else []
         # A compiled graph that checks a slotted output's gradient (``ti::check_grad``): its
         # forward is re-armed only once that check is clean too, as in eager mode. (Inside a
         # graph's operator, ``current``, the caller's grad mode is not visible: assumed on.)
@@ -224,13 +232,14 @@ class FlightRecorder:
             def act() -> None:
                 flagged = result.result() if isinstance(result, PendingRead) else result
                 found = slotted.result() if isinstance(slotted, PendingSlots) else slotted
-                # slots first: the checks without one are the operators' fallbacks
-                self._outputs_read(forward.index, found + flagged, watched=watched)
+                merged = merge(found, flagged, forward.outputs.keys)
+                self._outputs_read(forward.index, merged, watched=watched)
 
             with self._lock:
                 self._pending.append((None, act))
             return
-        self._outputs_read(forward.index, slotted + result, watched=watched)
+        merged = merge(slotted, result, forward.outputs.keys)
+        self._outputs_read(forward.index, merged, watched=watched)
 
     def _settle(self, *, wait: bool = False) -> None:
         """Act on the reads asked for earlier (those ready, or all when ``wait``)."""

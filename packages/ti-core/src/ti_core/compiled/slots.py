@@ -1,5 +1,8 @@
 """The sentinel's output flags under ``torch.compile``: slots of one tensor that graphs write.
 
+(In :mod:`ti_core.compiled`: the traced code writes them; the flight recorder,
+:mod:`ti_core.sentinel.recorder`, owns and reads them.)
+
 A custom operator per checked call costs tens of microseconds (custom-op dispatch, the effect
 token), more than a small compiled step's own work. Instead each checked output tensor of a
 compiled graph has a *slot*, numbered at trace time, in one int64 tensor that the graph itself
@@ -29,6 +32,7 @@ CUDA event and the caller acts on the copy one root forward later.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Hashable
 from typing import Final
@@ -36,7 +40,11 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from ti_core.sentinel.flags import Flagged
+Flagged = list[tuple[int, str]]
+"""``(layer, tensor_path)`` of flagged tensors, in check order (as ``ti_core.sentinel.flags``)."""
+
+Keyed = list[tuple[int, tuple[int, str]]]
+"""``(counter, (layer, tensor_path))`` of each flagged slot, in check order."""
 
 CAPACITY: Final = 8192
 """Slots per run (64 KiB of int64): checked calls past it fall back to the operator."""
@@ -112,8 +120,7 @@ class FlagSlots:
     def _slot_locked(self, key: tuple[int, str, Hashable, int], device: torch.device) -> int:
         slots = self.slots
         if slots is None:
-            self.slots = torch.zeros(CAPACITY, dtype=torch.int64, device=device)
-            self.sequence = torch.zeros(1, dtype=torch.int64, device=device)
+            self._make_locked(device)
         elif slots.device != device:
             return -1
         number = self._numbers.get(key)
@@ -124,13 +131,25 @@ class FlagSlots:
             self._entries.append((key[0], key[1]))
         return number
 
+    def prepare(self, device: torch.device) -> bool:
+        """Trace time: the tensors exist (made on ``device`` if none yet); False when they
+        live on another device."""
+        with self._lock:
+            if self.slots is None:
+                self._make_locked(device)
+            return self.slots is not None and self.slots.device == device
+
+    def _make_locked(self, device: torch.device) -> None:
+        self.slots = torch.zeros(CAPACITY, dtype=torch.int64, device=device)
+        self.sequence = torch.zeros(1, dtype=torch.int64, device=device)
+
     def flag(self, slot: int, values: Tensor) -> None:
         """An eager check into ``slot`` (``.data``: the version counters stay)."""
         assert self.slots is not None
         assert self.sequence is not None
         flag_into(self.slots.data, self.sequence.data, slot, values)
 
-    def read(self, current: list[Tensor] | None = None) -> Flagged | PendingSlots:
+    def read(self, current: list[Tensor] | None = None) -> Keyed | PendingSlots:
         """The slots flagged since the last read, in check order; on an accelerator a
         :class:`PendingSlots` to ask later. ``current``: the slots and the counter as a
         graph hands them to an operator before it writes them back (its root hooks traced)."""
@@ -152,9 +171,22 @@ class FlagSlots:
         return since
 
 
-def _in_order(entries: list[tuple[int, str]], values: list[int], since: int) -> Flagged:
+def _in_order(entries: list[tuple[int, str]], values: list[int], since: int) -> Keyed:
     flagged = sorted((value, number) for number, value in enumerate(values) if value > since)
-    return [entries[number] for _, number in flagged]
+    return [(value, entries[number]) for value, number in flagged]
+
+
+def merge(slotted: Keyed, flagged: Flagged, keys: list[float]) -> Flagged:
+    """One forward's flagged tensors in check order: the slots' (by their counter) and those
+    checked without a slot (``keys``: the counter when each was checked, infinity when
+    unknown), each of the latter after the slot checks that ran before it."""
+    if not flagged:
+        return [entry for _, entry in slotted]
+    order = [(float(value), 0, n, entry) for n, (value, entry) in enumerate(slotted)]
+    for n, entry in enumerate(flagged):
+        key = keys[n] if n < len(keys) else math.inf
+        order.append((key + 0.5, 1, n, entry))
+    return [entry for *_, entry in sorted(order)]
 
 
 class PendingSlots:
@@ -176,7 +208,7 @@ class PendingSlots:
     def ready(self) -> bool:
         return self._event is None or bool(self._event.query())  # type: ignore[attr-defined]
 
-    def result(self) -> Flagged:
+    def result(self) -> Keyed:
         if self._event is not None:
             self._event.synchronize()  # type: ignore[attr-defined]
         values = self._host.tolist()
@@ -184,4 +216,4 @@ class PendingSlots:
         return _in_order(self._entries, values[1:], since)
 
 
-__all__ = ["CAPACITY", "FlagSlots", "PendingSlots", "flag_into"]
+__all__ = ["CAPACITY", "FlagSlots", "Keyed", "PendingSlots", "flag_into", "merge"]
