@@ -13,9 +13,9 @@ finds a non-finite entry writes the counter's value into its slot. A read
 read, in the order their checks ran: across graphs, graph breaks and recompiles, because
 each call of a module in each compiled graph (and each eager call in a forward) has a slot of
 its own. The reader never writes the tensors, so the graphs' write-back of their mutations
-cannot undo a read. Once any graph has a slot, the recorder's eager output checks (the root's
-output after an ``OptimizedModule``'s graph, code between graph breaks) write slots too, so
-their order against the graph's is exact as well.
+cannot undo a read. Once any graph has a slot, the recorder's eager output checks (code
+between graph breaks, modules that run outside any graph) write slots too, so their order
+against the graph's is exact as well; the root's own output, checked last, needs none.
 
 Gradients are not checked here: a tensor a backward graph writes would be saved for that
 backward, and a forward (or another backward) writing it in between makes autograd refuse it
@@ -25,7 +25,8 @@ Ownership: the flight recorder owns one :class:`FlagSlots`; the gate hands it to
 through its ``TraceFlags`` (the one source Dynamo reaches it by). The tensors live on the device
 of the first slot asked for and are never replaced (compiled graphs guard on them); a tensor
 on another device, or past :data:`CAPACITY` slots, gets none (the caller falls back to the
-``ti::check`` operator). Eager writes go through ``.data``: they leave the version counter
+``ti::check`` operator, which carries the counter's value so that :func:`merge` puts its flags
+in place). Eager writes go through ``.data``: they leave the version counter
 alone. On an accelerator the read is asynchronous: the slots are copied to the host behind a
 CUDA event and the caller acts on the copy one root forward later.
 """
@@ -182,6 +183,8 @@ def merge(slotted: Keyed, flagged: Flagged, keys: list[float]) -> Flagged:
     unknown), each of the latter after the slot checks that ran before it."""
     if not flagged:
         return [entry for _, entry in slotted]
+    if not slotted:
+        return flagged
     order = [(float(value), 0, n, entry) for n, (value, entry) in enumerate(slotted)]
     for n, entry in enumerate(flagged):
         key = keys[n] if n < len(keys) else math.inf
