@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 Flagged = list[tuple[int, str]]
-"""``(layer, tensor_path)`` of flagged tensors, in check order (as ``ti_core.sentinel.flags``)."""
+"""``(layer, tensor_path)`` of flagged tensors, in check order (``ti_core.sentinel.flags``
+uses this one: it sits below the sentinel)."""
 
 Keyed = list[tuple[int, tuple[int, str]]]
 """``(counter, (layer, tensor_path))`` of each flagged slot, in check order."""
@@ -161,13 +162,14 @@ class FlagSlots:
         view = slots.data[:used]
         if view.is_cpu:
             up_to = int(sequence.data[0])
-            since, self._read_up_to = self._read_up_to, up_to
+            since = self._acted(up_to)
             if up_to == since or not bool((view > since).any()):
                 return []
             return _in_order(self._entries[:used], view.tolist(), since)
         return PendingSlots(self, torch.cat([sequence.data, view]), self._entries[:used])
 
     def _acted(self, up_to: int) -> int:
+        """A read took the counter at ``up_to``: the value the previous read took."""
         since, self._read_up_to = self._read_up_to, up_to
         return since
 

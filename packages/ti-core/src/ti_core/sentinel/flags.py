@@ -26,6 +26,8 @@ from typing import Final
 import torch
 from torch import Tensor
 
+from ti_core.compiled.slots import Flagged
+
 _CHECKED: Final[frozenset[torch.dtype]] = frozenset(
     {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 )
@@ -35,9 +37,6 @@ _COMPLEX: Final[frozenset[torch.dtype]] = frozenset(
 _STRIDED: Final = torch.strided
 _HALF: Final[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
 """Summed in float32 (a float16 sum of ordinary values overflows its 65,504)."""
-
-Flagged = list[tuple[int, str]]
-"""``(layer, tensor_path)`` of every flagged tensor, in the order they were checked."""
 
 
 def real_values(tensor: Tensor) -> Tensor | None:
