@@ -8,6 +8,7 @@ position class (and finite extremes that would overflow a plain sum).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -637,23 +638,46 @@ class Checkpointed(nn.Module):
         return self.head(inner)  # type: ignore[no-any-return]
 
 
-def _checkpointed_events(compile_it: bool) -> list[dict[str, object]]:
+def _events_with_a_nan_weight(
+    make: Callable[[], nn.Module],
+    weight: Callable[[nn.Module], torch.Tensor],
+    *,
+    compile_it: bool,
+    steps: int,
+    nan_at: int,
+    rows: Callable[[int], int],
+    fullgraph: bool = False,
+) -> list[dict[str, object]]:
+    """The events of ``steps`` training steps of ``make()`` (observed, then compiled when
+    ``compile_it``), with a NaN written into ``weight(model)`` before step ``nan_at``;
+    ``rows(step)``: the batch size of each step."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Checkpointed()
+    model = make()
     sink = MemorySink()
     _attach(model, sink, sentinel=Sentinel(dense_forwards=1))
-    target = torch.compile(model) if compile_it else model
+    target = torch.compile(model, fullgraph=fullgraph) if compile_it else model
     try:
-        for step in range(6):
-            if step == 3:
+        for step in range(steps):
+            if step == nan_at:
                 with torch.no_grad():
-                    model.inner[0].weight[0, 0] = math.nan
-            target(torch.randn(3 + step, 4)).sum().backward()  # new shapes: recompiles
+                    weight(model)[0, 0] = math.nan
+            target(torch.randn(rows(step), 4)).sum().backward()
     finally:
         ti_core.remove_observer(model)
         torch._dynamo.reset()
     return _events(sink)
+
+
+def _checkpointed_events(compile_it: bool) -> list[dict[str, object]]:
+    return _events_with_a_nan_weight(
+        Checkpointed,
+        lambda model: model.inner[0].weight,  # type: ignore[index]
+        compile_it=compile_it,
+        steps=6,
+        nan_at=3,
+        rows=lambda step: 3 + step,  # new shapes: recompiles
+    )
 
 
 @pytest.mark.slow
@@ -684,6 +708,57 @@ def test_checks_past_the_slots_capacity_fall_back_in_order(
     eager = _checkpointed_events(compile_it=False)
     compiled = _checkpointed_events(compile_it=True)
     keys = ("forward_index", "signal", "layer", "layers")
+    assert [{k: e[k] for k in keys} for e in compiled] == [{k: e[k] for k in keys} for e in eager]
+
+
+class EmptySlice(nn.Module):
+    """Returns no entries (an empty batch slice), and requires grad: nothing to flag."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:0] * 2
+
+
+class WithEmpty(nn.Module):
+    """first -> (an empty slice of it) -> head; a NaN weight in ``head``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.empty = EmptySlice()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.first(x)
+        return self.head(first).sum() + self.empty(first).sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capacity", [8192, 0])
+def test_compiled_checks_of_an_output_without_entries_train_on(
+    monkeypatch: pytest.MonkeyPatch, capacity: int
+) -> None:
+    """A module whose output has no entries (``aminmax`` of it raises) is checked clean in a
+    compiled graph, in a slot and through ``ti::check`` alike, output and gradient: training
+    goes on, and a later NaN is named at its module as in eager mode."""
+    monkeypatch.setattr("ti_core.compiled.slots.CAPACITY", capacity)
+
+    def events(compile_it: bool) -> list[dict[str, object]]:
+        return _events_with_a_nan_weight(
+            WithEmpty,
+            lambda model: model.head.weight,  # type: ignore[union-attr]
+            compile_it=compile_it,
+            steps=4,
+            nan_at=2,
+            rows=lambda step: 3,  # one shape: the graph's sizes stay static
+            fullgraph=True,
+        )
+
+    eager = events(compile_it=False)
+    keys = ("forward_index", "signal", "layer", "layers")
+    assert [{k: e[k] for k in keys} for e in eager] == [
+        {"forward_index": 2, "signal": "output", "layer": "head", "layers": ["head"]}
+    ]
+    compiled = events(compile_it=True)
     assert [{k: e[k] for k in keys} for e in compiled] == [{k: e[k] for k in keys} for e in eager]
 
 

@@ -100,6 +100,12 @@ class CompiledGate:
         trace = torch_private.current_compile_id()
         return slots.traced_slot(trace, layer, path, torch.device(device))
 
+    def sentinel_gradient_check(self, layer: int, site: int, position: int) -> int:
+        sentinel = self._sentinel
+        if sentinel is None:
+            return -1
+        return sentinel.gradient_check(layer, self._sites.paths(site)[position])
+
     def sentinel_counter(self, device: str) -> bool:
         sentinel = self._sentinel
         return sentinel is not None and sentinel.slots.prepare(torch.device(device))
@@ -168,15 +174,12 @@ class CompiledGate:
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)
 
-    def compiled_check_grad(
-        self, low: torch.Tensor, high: torch.Tensor, layer: int, site: int, position: int
-    ) -> None:
+    def compiled_check_grad(self, finite: torch.Tensor, check: int) -> None:
         sentinel = self._sentinel
         if sentinel is None or self.closed:
             return
         try:
-            path = self._sites.paths(site)[position]
-            sentinel.check_gradient_values(layer, path, low, high)
+            sentinel.check_gradient_finite(check, finite)
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)
 

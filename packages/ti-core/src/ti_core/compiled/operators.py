@@ -79,6 +79,11 @@ class CompiledTarget(Protocol):
         traced (-1: none); ``watched``: the graph checks its gradient."""
         ...
 
+    def sentinel_gradient_check(self, layer: int, site: int, position: int) -> int:
+        """Trace time: the number under which the gradient check of one output tensor of a
+        call travels to ``check_grad`` (-1: no sentinel)."""
+        ...
+
     def sentinel_counter(self, device: str) -> bool:
         """Trace time: make the sentinel's slots (on ``device``) for a check without a slot to
         read their counter; False: none there."""
@@ -105,15 +110,14 @@ class CompiledTarget(Protocol):
         watched: bool,
         order: list[torch.Tensor],
     ) -> None:
-        """Run time: the sentinel's values (``aminmax`` pairs) of one call's tensors;
+        """Run time: whether each of one call's tensors is finite (a 0-d bool each);
         ``watched``: the graph checks the gradient of at least one of them; ``order``: the
         slots' counter at this call (one tensor), or empty."""
         ...
 
-    def compiled_check_grad(
-        self, low: torch.Tensor, high: torch.Tensor, layer: int, site: int, position: int
-    ) -> None:
-        """Run time: the sentinel's values of the gradient flowing into one output tensor."""
+    def compiled_check_grad(self, finite: torch.Tensor, check: int) -> None:
+        """Run time: whether the gradient flowing into one output tensor is finite (a 0-d
+        bool; ``check``: its number from ``sentinel_gradient_check``)."""
         ...
 
     def compiled_record(
@@ -309,8 +313,9 @@ def check(
     order: list[torch.Tensor],
 ) -> None:
     """The flight recorder's check of one call of a selected module without a slot (inside
-    activation checkpointing, or past the slots' capacity): ``values`` holds the ``aminmax``
-    of each checked tensor (computed in the graph, on the tensors' device), in the order of
+    activation checkpointing, or past the slots' capacity): ``values`` holds, per checked
+    tensor, a 0-d bool that is true when it is finite (computed in the graph, on the tensors'
+    device), in the order of
     the paths interned as ``site``; ``watched``: a gradient check of the graph's backward
     waits on one of them (decided at trace time); ``order``: the slots' counter as the graph
     holds it here, so the check falls in place among the slots' flags (or empty)."""
@@ -331,14 +336,13 @@ def _check_fake(
     return None
 
 
-def _check_grad(
-    low: torch.Tensor, high: torch.Tensor, key: int, layer: int, site: int, position: int
-) -> None:
+def _check_grad(finite: torch.Tensor, key: int, check: int) -> None:
     """The flight recorder's check of the gradient flowing into one checked output tensor:
-    the ``aminmax`` of that gradient, computed in the backward graph."""
+    whether that gradient is finite (a 0-d bool computed in the backward graph; ``check``:
+    which tensor, numbered at trace time)."""
     target = target_of(key)
     if target is not None:
-        target.compiled_check_grad(low, high, layer, site, position)
+        target.compiled_check_grad(finite, check)
 
 
 # ``check_grad`` runs once per checked output per compiled backward, so it is defined with
@@ -347,7 +351,7 @@ def _check_grad(
 # quarter of ``custom_op``'s dispatch cost per call. Same effect and tag as the others.
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # type: ignore[no-untyped-call]
 _LIBRARY.define(  # type: ignore[no-untyped-call]
-    "check_grad(Tensor low, Tensor high, int key, int layer, int site, int position) -> ()",
+    "check_grad(Tensor finite, int key, int check) -> ()",
     tags=_TAGS,
 )
 _LIBRARY.impl("check_grad", _check_grad, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]

@@ -52,12 +52,26 @@ CAPACITY: Final = 8192
 """Slots per run (64 KiB of int64): checked calls past it fall back to the operator."""
 
 
+def all_finite(values: Tensor) -> Tensor:
+    """The compiled graphs' check of one tensor: a 0-d bool, true when every entry is finite,
+    computed by a reduction the compiler fuses into the kernel that produced ``values``.
+
+    ``aminmax`` where the size is known and not zero: its two are finite exactly when every
+    entry is (NaN propagates to both), two vector operations per entry, about a fifth of
+    ``isfinite(values).all()``'s in inductor's CPU kernels. That one where ``aminmax`` would
+    raise (no entries) or might (a dynamic size). (Not ``(values * 0).sum()``: inductor folds a
+    product with zero to zero, NaN or not.)"""
+    numel = values.numel()
+    if isinstance(numel, int) and numel > 0:
+        low, high = torch.aminmax(values)
+        return torch.isfinite(low) & torch.isfinite(high)
+    return torch.isfinite(values).all()
+
+
 def flag_into(slots: Tensor, sequence: Tensor, slot: int, values: Tensor) -> None:
     """Check ``values`` (a floating tensor, detached) into ``slot``: traced into compiled
-    graphs, and run eagerly for the eager checks of a compiled run. Exact: ``aminmax``'s two
-    are finite exactly when every entry is, and cannot overflow."""
-    low, high = torch.aminmax(values)
-    clean = torch.isfinite(low) & torch.isfinite(high)
+    graphs, and run eagerly for the eager checks of a compiled run."""
+    clean = all_finite(values)
     sequence.add_(1)
     # ``index_put_`` with a tensor index: inductor writes the one entry (``slots[slot] = v``
     # becomes a ``select_scatter`` that it lowers to a pass over every slot, per check).
@@ -69,6 +83,7 @@ class FlagSlots:
     """The slots of one flight recorder: their tensors, what each slot checks, their reads."""
 
     __slots__ = (
+        "_cached",
         "_entries",
         "_lock",
         "_numbers",
@@ -93,6 +108,7 @@ class FlagSlots:
         """Per compiled graph (its compile id), the calls traced so far per checked tensor."""
         self._read_up_to = 0
         """The counter's value at the last read: slots above it are new."""
+        self._cached: tuple[int, Tensor] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -159,14 +175,27 @@ class FlagSlots:
         used = len(self._entries)  # (entries are only appended: the first ``used`` stay)
         if slots is None or sequence is None or not used:
             return []
-        view = slots.data[:used]
-        if view.is_cpu:
-            up_to = int(sequence.data[0])
+        if slots.is_cpu:
+            up_to = int(sequence.item())
             since = self._acted(up_to)
-            if up_to == since or not bool((view > since).any()):
+            if up_to == since:
+                return []
+            view = slots.data[:used] if current else self._view(used)
+            if view.max().item() <= since:  # (one reduction and one scalar read: clean)
                 return []
             return _in_order(self._entries[:used], view.tolist(), since)
+        view = slots.data[:used]
         return PendingSlots(self, torch.cat([sequence.data, view]), self._entries[:used])
+
+    def _view(self, used: int) -> Tensor:
+        """The first ``used`` slots (an alias, made once per number of slots)."""
+        cached = self._cached
+        if cached is not None and cached[0] == used:
+            return cached[1]
+        assert self.slots is not None  # (the caller read them)
+        view = self.slots.data[:used]
+        self._cached = (used, view)
+        return view
 
     def _acted(self, up_to: int) -> int:
         """A read took the counter at ``up_to``: the value the previous read took."""
@@ -221,4 +250,4 @@ class PendingSlots:
         return _in_order(self._entries, values[1:], since)
 
 
-__all__ = ["CAPACITY", "FlagSlots", "Keyed", "PendingSlots", "flag_into", "merge"]
+__all__ = ["CAPACITY", "FlagSlots", "Keyed", "PendingSlots", "all_finite", "flag_into", "merge"]

@@ -43,7 +43,7 @@ from ti_core.compiled.operators import (
     record_grad,
     target_of,
 )
-from ti_core.compiled.slots import flag_into
+from ti_core.compiled.slots import all_finite, flag_into
 
 NESTED: Final[int] = 3
 """A tensor that requires grad, output inside activation checkpointing (a higher-order region)
@@ -101,6 +101,14 @@ def _slot(key: int, layer: int, site: int, position: int, device: str, watched: 
     if target is None:
         return -1
     return target.sentinel_slot(layer, site, position, device, watched)
+
+
+@torch_private.assume_constant_result
+def _gradient_check(key: int, layer: int, site: int, position: int) -> int:
+    """Trace time: the number under which the gradient check of the tensor at ``position``
+    of ``site`` travels to ``check_grad`` (-1: no sentinel)."""
+    target = target_of(key)
+    return -1 if target is None else target.sentinel_gradient_check(layer, site, position)
 
 
 @torch_private.assume_constant_result
@@ -202,13 +210,12 @@ def _capture(key: int, flags: TraceFlags, layer: int, module: nn.Module, output:
 _CHECKED: Final = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _grad_checker(key: int, layer: int, site: int, position: int) -> Callable[[Tensor], None]:
-    """The sentinel's gradient hook for one output tensor: its gradient's ``aminmax``,
+def _grad_checker(key: int, check: int) -> Callable[[Tensor], None]:
+    """The sentinel's gradient hook for one output tensor: whether its gradient is finite,
     computed in the backward graph, to ``check_grad``; never changes the gradient."""
 
     def report(grad: Tensor) -> None:
-        low, high = torch.aminmax(grad.detach())
-        check_grad(low, high, key, layer, site, position)
+        check_grad(all_finite(grad.detach()), key, check)
 
     return report
 
@@ -217,9 +224,9 @@ def _check(key: int, layer: int, output: Any) -> None:
     """The flight recorder's sentinel on one call, in every variant of the graph: each
     floating tensor of the output is checked into a slot of its own by the graph itself
     (:mod:`ti_core.compiled.slots`), and the gradient of each one a gradient will reach by a
-    hook (its ``aminmax`` to ``check_grad``). Inside a higher-order region (activation
+    hook (whether it is finite, to ``check_grad``). Inside a higher-order region (activation
     checkpointing), where a graph cannot write its inputs, and for a tensor without a slot,
-    the ``aminmax`` goes to one ``check`` instead."""
+    whether each is finite goes to one ``check`` instead."""
     leaves = [(p, t) for p, t in traced_leaves(output) if t.dtype in _CHECKED]
     if not leaves:
         return
@@ -243,10 +250,7 @@ def _check(key: int, layer: int, output: Any) -> None:
         else:
             unslotted.append(position)
     if unslotted:
-        values: list[Tensor] = []
-        for position in unslotted:
-            low, high = torch.aminmax(leaves[position][1].detach())
-            values += [low, high]
+        values = [all_finite(leaves[position][1].detach()) for position in unslotted]
         paths = tuple(leaves[position][0] for position in unslotted)
         device = str(leaves[unslotted[0]][1].device)
         order = (
@@ -256,8 +260,10 @@ def _check(key: int, layer: int, output: Any) -> None:
         )
         check(values, key, layer, _site(key, paths), bool(watched), order)
     for position in watched:
-        tensor = leaves[position][1]
-        tensor.register_hook(_grad_checker(key, layer, site, position))  # type: ignore[no-untyped-call]
+        number = _gradient_check(key, layer, site, position)
+        if number >= 0:
+            checker = _grad_checker(key, number)
+            leaves[position][1].register_hook(checker)  # type: ignore[no-untyped-call]
 
 
 def call(key: int, layer: int, module: nn.Module, output: Any) -> None:

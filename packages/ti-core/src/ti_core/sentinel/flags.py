@@ -6,10 +6,11 @@ tensor is (NaN and infinities propagate), so a finite sum, one read of the tenso
 scalar read, clears it; a non-finite sum (a NaN or an infinity, or finite entries whose sum
 overflowed) is decided exactly by ``aminmax``. Only a flagged tensor is remembered.
 
-Elsewhere (an accelerator, a tensor subclass, values a compiled graph computed) a
-:class:`Flags` collects two 0-d tensors per checked tensor (:func:`flag_values`, ``aminmax``'s
-two), on the tensor's device, with no host synchronization: they are all finite exactly when
-the tensor is, so the check is exact and cannot overflow. :meth:`Flags.read` reads CPU values
+Elsewhere (an accelerator, a tensor subclass) a :class:`Flags` collects two 0-d tensors per
+checked tensor (:func:`flag_values`, ``aminmax``'s two), on the tensor's device, with no host
+synchronization: they are all finite exactly when the tensor is, so the check is exact and
+cannot overflow. A compiled graph hands it one 0-d bool per tensor instead, true when the
+tensor is finite (:meth:`Flags.add_value`). :meth:`Flags.read` reads CPU values
 directly; values on an accelerator are stacked per device into one flag each, and only a set
 flag makes it read which fired. There the read is asynchronous (:class:`PendingRead`): the
 flag is copied to the host behind a CUDA event, and the caller acts on it at the next check,
@@ -19,7 +20,7 @@ one root forward later.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from math import isfinite
 from typing import Final
 
@@ -123,29 +124,23 @@ class Flags:
             if not tensor.is_cpu:
                 self.accelerated = True
 
-    def add_values(
-        self, layer: int, path: str, values: Sequence[Tensor], order: Tensor | None = None
-    ) -> None:
-        """Flag values a compiled graph computed for one tensor (its ``aminmax``); ``order``:
-        the slots' counter at that check (a 0-d or one-element tensor), or None.
+    def add_value(self, layer: int, path: str, finite: Tensor, order: Tensor | None = None) -> None:
+        """A compiled graph's check of one tensor (a 0-d bool, true when every entry is
+        finite); ``order``: the slots' counter at that check (a 0-d or one-element tensor),
+        or None.
 
-        They live in the graph's buffers, which the compiler reuses for later results once
+        Both live in the graph's buffers, which the compiler reuses for later results once
         the operator that received them returns: they are read now on the CPU, and copied
-        into a tensor of the recorder's own on an accelerator (the copy runs before any later
+        into tensors of the recorder's own on an accelerator (the copies run before any later
         kernel of the stream can overwrite them)."""
-        if not values:
-            return
-        if all([value.is_cpu for value in values]):
-            for value in values:
-                if not isfinite(value.item()):
-                    self._flag(layer, path, None if order is None else int(order.item()))
-                    break
+        if finite.is_cpu:
+            if not finite.item():
+                self._flag(layer, path, None if order is None else int(order.item()))
             return
         entry = len(self.entries)
         self.entries.append((layer, path))
-        owned = torch.stack(list(values)).unbind()
-        self.values.extend(owned)
-        self.owners.extend([entry] * len(owned))
+        self.values.append(torch.where(finite, 0.0, math.inf))  # a copy, finite when clean
+        self.owners.append(entry)
         if order is not None:
             self.orders[entry] = order.clone()
         self.accelerated = True
@@ -162,6 +157,8 @@ class Flags:
         accelerator, a :class:`PendingRead` to ask later."""
         values = self.values
         if not self.accelerated:  # CPU scalars: reading each is cheaper than one more kernel
+            if not values and not self.flagged:
+                return []  # (every forward of a compiled run, whose checks wrote slots)
             return self._flagged([p for p, v in enumerate(values) if not isfinite(v.item())])
         groups: dict[torch.device, list[int]] = {}
         for position, value in enumerate(values):

@@ -109,6 +109,9 @@ class FlightRecorder:
         self._gradients = options is not None and options.gradients
         self._outputs = options is not None and options.outputs
         self._self_ref = weakref.ref(self)
+        self._gradient_checks: list[tuple[int, str]] = []
+        """``(layer, tensor_path)`` of each gradient check of compiled graphs, by number."""
+        self._gradient_numbers: dict[tuple[int, str], int] = {}
 
     def bind_latest(self, latest: Callable[[], int]) -> None:
         """Where the index of the latest root forward started comes from (the gate)."""
@@ -180,29 +183,43 @@ class FlightRecorder:
         watched: bool,
         order: Tensor | None = None,
     ) -> None:
-        """What a compiled graph computed for one call: ``aminmax`` of each tensor, in pairs;
-        ``watched``: the graph's backward checks the gradient of one of them (the forward is
-        re-armed only once that check is clean too, as in eager mode); ``order``: the slots'
-        counter at this call (where it falls among the slots' flags), or None."""
+        """What a compiled graph computed for one call: whether each tensor is finite (a 0-d
+        bool each); ``watched``: the graph's backward checks the gradient of one of them (the
+        forward is re-armed only once that check is clean too, as in eager mode); ``order``:
+        the slots' counter at this call (where it falls among the slots' flags), or None."""
         forward: _Forward | None = getattr(self._local, "forward", None)
         if forward is None:
             forward = self._local.forward = _Forward(self._latest())
         if watched and self._gradients:
             forward.watched = True
-        for position, path in enumerate(paths):
-            pair = values[2 * position : 2 * position + 2]
-            forward.outputs.add_values(layer, path, pair, order)
+        for path, value in zip(paths, values, strict=True):
+            forward.outputs.add_value(layer, path, value, order)
 
-    def check_gradient_values(self, layer: int, path: str, low: Tensor, high: Tensor) -> None:
-        """A compiled graph's gradient check (``aminmax`` of the gradient of one output), for
-        the latest root forward that ended (a compiled graph carries no forward identity)."""
+    def gradient_check(self, layer: int, path: str) -> int:
+        """Trace time: the number of the gradient check of ``layer``'s tensor at ``path`` in
+        compiled graphs (the same for every graph and call)."""
+        with self._lock:
+            number = self._gradient_numbers.get((layer, path))
+            if number is None:
+                number = self._gradient_numbers[layer, path] = len(self._gradient_checks)
+                self._gradient_checks.append((layer, path))
+            return number
+
+    def check_gradient_finite(self, check: int, finite: Tensor) -> None:
+        """A compiled graph's gradient check (whether the gradient flowing into one output is
+        finite, numbered by :meth:`gradient_check`), for the latest root forward that ended (a
+        compiled graph carries no forward identity). Once per checked output per compiled
+        backward: kept to a few attribute reads when clean."""
         forward = self._last
         if forward is None or self._closed or not self._gradients:
             return  # (a graph checks gradients only when the sentinel does: a safeguard)
         flush = forward.gradients
         if flush is None:
             flush = forward.gradients = _GradientFlush(self._self_ref, forward)
-        flush.add_values(layer, path, low, high)
+        layer, path = self._gradient_checks[check]
+        flush.flags.add_value(layer, path, finite)
+        if not flush.queued:
+            flush._queue()
 
     def end(self, current: list[Tensor] | None = None) -> None:
         """The outermost root forward ended on this thread: read its flags and the slots (on
@@ -381,10 +398,6 @@ class _GradientFlush:
         self.forward = forward
         self.flags = Flags()
         self.queued = False
-
-    def add_values(self, layer: int, path: str, low: Tensor, high: Tensor) -> None:
-        self.flags.add_values(layer, path, (low, high))
-        self._queue()
 
     def _queue(self) -> None:
         if not self.queued:
