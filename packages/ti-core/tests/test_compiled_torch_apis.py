@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ti_core.compiled import operators, torch_private
 from ti_core.compiled.operators import TICKET_STATE
+from ti_core.compiled.slots import flag_into
 
 pytestmark = pytest.mark.slow
 
@@ -395,3 +396,63 @@ def test_compile_ids_tell_graphs_apart_and_a_graph_writes_a_global_tensor_back()
         "an operator no longer sees a graph's writes to a global tensor before the graph "
         "returns: ti_core.compiled.traced passes the slots to ti::advance / ti::end for this"
     )
+
+
+def test_inductor_backward_writes_a_global_tensor_without_bumping_its_version() -> None:
+    """Inductor's backward graph writes a global tensor that a gradient hook mutates in its own
+    kernels, so the tensor's version counter stays, and autograd still accepts it as saved for
+    the backward of an earlier forward (two forwards, then two backwards). ``aot_eager`` runs
+    real in-place kernels and bumps it, so autograd refuses that pattern. The sentinel's
+    gradient slots (``torch_private.backward_writes_keep_versions``) rely on the difference, and
+    are used only where it holds."""
+    seen: list[bool] = []
+
+    @torch_private.assume_constant_result
+    def look() -> bool:
+        seen.append(torch_private.backward_writes_keep_versions())
+        return True
+
+    class Box:
+        slots = torch.zeros(3, dtype=torch.int64)
+        sequence = torch.zeros(1, dtype=torch.int64)
+
+    def flagger(slot: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            flag_into(Box.slots, Box.sequence, slot, grad.detach())
+
+        return hook
+
+    weight = nn.Parameter(torch.ones(4))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        look()
+        y = x * weight
+        y.register_hook(flagger(1))
+        z = torch.sqrt(y)
+        z.register_hook(flagger(2))
+        return z.sum()
+
+    def train(backend: str) -> None:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=backend, fullgraph=True)
+        x = torch.tensor([1.0, 4.0, 0.0, 9.0])  # sqrt'(0) is infinite: y's gradient
+        first, second = compiled(x), compiled(x)
+        first.backward()
+        second.backward()
+
+    versions = (Box.slots._version, Box.sequence._version)
+    train("inductor")
+    assert seen == [True], (
+        "torch_private.backward_writes_keep_versions no longer sees inductor on this torch"
+    )
+    assert (Box.slots._version, Box.sequence._version) == versions, (
+        "inductor's backward now bumps the version of a global tensor it writes: the "
+        "sentinel's gradient slots would make autograd refuse gradient accumulation"
+    )
+    # z's gradient (ones) is checked first, y's (inf at 0) second: in arrival order, per backward
+    assert Box.slots.tolist() == [0, 4, 0]
+    assert Box.sequence.tolist() == [4]
+    seen.clear()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        train("aot_eager")
+    assert seen == [False]

@@ -762,6 +762,90 @@ def test_compiled_checks_of_an_output_without_entries_train_on(
     assert [{k: e[k] for k in keys} for e in compiled] == [{k: e[k] for k in keys} for e in eager]
 
 
+class Vanish(nn.Module):
+    """Zeros that carry their input's gradient unchanged (``h - h.detach()``)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h - h.detach()
+
+
+class InfiniteBackward(nn.Module):
+    """first -> tanh | graph break | vanish -> sqrt -> head. ``sqrt``'s gradient at zero is
+    infinite: finite into head's and sqrt's outputs, infinite into vanish's (second graph), then
+    tanh's and first's (first graph), in that order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.tanh = nn.Tanh()
+        self.vanish = Vanish()
+        self.sqrt = Sqrt()
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tanh(self.first(x))
+        torch._dynamo.graph_break()  # eager: none; compiled: two graphs and eager code
+        return self.head(self.sqrt(self.vanish(h)))
+
+
+def _infinite_backward_events(
+    backend: str | None, steps: int
+) -> tuple[list[dict[str, object]], int]:
+    """Events of ``steps`` steps (``backend`` None: eager), and how often a backward graph
+    called ``ti::check_grad``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = InfiniteBackward()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=1))
+    target = model if backend is None else torch.compile(model, backend=backend)
+    recorder = ti_core.observer_of(model).recorder  # type: ignore[union-attr]
+    calls = 0
+    original = recorder.check_gradient_finite
+
+    def counted(*args: object) -> None:
+        nonlocal calls
+        calls += 1
+        original(*args)  # type: ignore[arg-type]
+
+    recorder.check_gradient_finite = counted  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            target(torch.randn(3, 4)).sum().backward()
+    finally:
+        ti_core.remove_observer(model)
+        torch._dynamo.reset()
+    return _events(sink), calls
+
+
+@pytest.mark.slow
+def test_inductor_backward_graphs_write_gradient_slots_in_arrival_order() -> None:
+    """Under inductor the backward graphs check the gradients into slots themselves (no
+    ``ti::check_grad`` call), read when the next root forward ends, or at removal: the event
+    is the eager run's, in the order the gradients arrived across two graphs and the eager
+    check of the root's output between them. ``aot_eager`` (whose backward would bump the
+    slots' version) takes the operator, with the same event."""
+    eager, _ = _infinite_backward_events(None, 3)
+    keys = ("forward_index", "signal", "layer", "layers")
+    assert [{k: e[k] for k in keys} for e in eager] == [
+        {
+            "forward_index": 0,
+            "signal": "output_gradient",
+            "layer": "vanish",
+            "layers": ["vanish", "tanh", "first"],
+        }
+    ]
+    inductor, calls = _infinite_backward_events("inductor", 3)
+    assert [{k: e[k] for k in keys} for e in inductor] == [{k: e[k] for k in keys} for e in eager]
+    assert calls == 0
+    aot, calls = _infinite_backward_events("aot_eager", 3)
+    assert [{k: e[k] for k in keys} for e in aot] == [{k: e[k] for k in keys} for e in eager]
+    assert calls > 0
+    # one step: the slots its backward wrote are read when the observer is removed
+    (single,), _ = _infinite_backward_events("inductor", 1)
+    assert {k: single[k] for k in keys} == {k: eager[0][k] for k in keys}
+
+
 def test_a_deferred_flag_read_is_acted_on_one_forward_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -100,6 +100,14 @@ class CompiledGate:
         trace = torch_private.current_compile_id()
         return slots.traced_slot(trace, layer, path, torch.device(device))
 
+    def sentinel_gradient_slot(self, layer: int, site: int, position: int, device: str) -> int:
+        sentinel = self._sentinel
+        if sentinel is None or not torch_private.backward_writes_keep_versions():
+            return -1
+        path = self._sites.paths(site)[position]
+        trace = torch_private.current_compile_id()
+        return sentinel.gradient_slots.traced_slot(trace, layer, path, torch.device(device))
+
     def sentinel_gradient_check(self, layer: int, site: int, position: int) -> int:
         sentinel = self._sentinel
         if sentinel is None:

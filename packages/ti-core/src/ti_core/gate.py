@@ -153,6 +153,7 @@ class Gate(CompiledGate):
         self._sentinel = sentinel
         self._flags.sentinel = sentinel is not None
         self._flags.slots = None if sentinel is None else sentinel.slots
+        self._flags.gradient_slots = None if sentinel is None else sentinel.gradient_slots
         self._flags.gradient_checks = sentinel is not None and sentinel.checks_gradients
         # The run's step times (ti_core.cost): one clock read per outermost root forward,
         # after its decision (and, unsampled, after capture is removed) so that the work a

@@ -79,6 +79,11 @@ class CompiledTarget(Protocol):
         traced (-1: none); ``watched``: the graph checks its gradient."""
         ...
 
+    def sentinel_gradient_slot(self, layer: int, site: int, position: int, device: str) -> int:
+        """Trace time: the sentinel's gradient slot for the gradient flowing into one output
+        tensor of a call in the graph being traced (-1: none, ``check_grad`` takes it)."""
+        ...
+
     def sentinel_gradient_check(self, layer: int, site: int, position: int) -> int:
         """Trace time: the number under which the gradient check of one output tensor of a
         call travels to ``check_grad`` (-1: no sentinel)."""
@@ -141,7 +146,15 @@ class TraceFlags:
     cached graph (no recompilation once both exist). Written by the gate only.
     """
 
-    __slots__ = ("gradient_checks", "root_layer", "sampled", "sentinel", "slots", "tickets")
+    __slots__ = (
+        "gradient_checks",
+        "gradient_slots",
+        "root_layer",
+        "sampled",
+        "sentinel",
+        "slots",
+        "tickets",
+    )
 
     def __init__(self, root_layer: int | None) -> None:
         self.sampled = False
@@ -151,7 +164,10 @@ class TraceFlags:
         self.gradient_checks = False
         """The sentinel checks gradients too (``"output_gradient"`` in its signals)."""
         self.slots: FlagSlots | None = None
-        """The sentinel's slots, which compiled graphs write (set with :attr:`sentinel`)."""
+        """The sentinel's output slots, which compiled graphs write (set with
+        :attr:`sentinel`)."""
+        self.gradient_slots: FlagSlots | None = None
+        """The sentinel's gradient slots, which inductor's backward graphs write."""
         self.root_layer = root_layer
         """Index of the root among the selected modules, or None."""
         self.tickets: list[torch.Tensor] | None = None

@@ -1,4 +1,4 @@
-"""The sentinel's output flags under ``torch.compile``: slots of one tensor that graphs write.
+"""The sentinel's flags under ``torch.compile``: slots of one tensor that graphs write.
 
 (In :mod:`ti_core.compiled`: the traced code writes them; the flight recorder,
 :mod:`ti_core.sentinel.recorder`, owns and reads them.)
@@ -17,18 +17,24 @@ cannot undo a read. Once any graph has a slot, the recorder's eager output check
 between graph breaks, modules that run outside any graph) write slots too, so their order
 against the graph's is exact as well; the root's own output, checked last, needs none.
 
-Gradients are not checked here: a tensor a backward graph writes would be saved for that
-backward, and a forward (or another backward) writing it in between makes autograd refuse it
-(gradient accumulation would break). The ``ti::check_grad`` operator checks them.
+Gradients get a :class:`FlagSlots` of their own, written by the backward graphs, only where
+inductor compiles them on a torch release verified to write them in its own kernels
+(``torch_private.backward_writes_keep_versions``). A tensor a backward graph writes is saved
+for that backward, and autograd refuses a saved tensor whose version counter moved: real
+in-place kernels (``aot_eager``) bump it, so two forwards and then two backwards would break.
+There, and under other backends, the ``ti::check_grad`` operator checks each gradient. No
+Python runs when a backward graph ends, so the gradient slots are read when the next root
+forward ends (and at removal), for the root forward that ended before the backward; once
+they exist, the eager gradient checks write them too, so the order across graphs is exact.
 
-Ownership: the flight recorder owns one :class:`FlagSlots`; the gate hands it to traced code
-through its ``TraceFlags`` (the one source Dynamo reaches it by). The tensors live on the device
-of the first slot asked for and are never replaced (compiled graphs guard on them); a tensor
-on another device, or past :data:`CAPACITY` slots, gets none (the caller falls back to the
-``ti::check`` operator, which carries the counter's value so that :func:`merge` puts its flags
-in place). Eager writes go through ``.data``: they leave the version counter
-alone. On an accelerator the read is asynchronous: the slots are copied to the host behind a
-CUDA event and the caller acts on the copy one root forward later.
+Ownership: the flight recorder owns both :class:`FlagSlots`; the gate hands them to traced code
+through its ``TraceFlags`` (the one source Dynamo reaches them by). The tensors live on the
+device of the first slot asked for and are never replaced (compiled graphs guard on them); a
+tensor on another device, or past :data:`CAPACITY` slots, gets none (the caller falls back to
+the ``ti::check`` operator, which carries the counter's value so that :func:`merge` puts its
+flags in place). Eager writes go through ``.data``: they leave the version counter alone. On an
+accelerator the read is asynchronous: the slots are copied to the host behind a CUDA event and
+the caller acts on the copy one root forward later.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class FlagSlots:
         "_read_up_to",
         "_trace_calls",
         "gradient_hooks",
+        "ran",
         "sequence",
         "slots",
     )
@@ -109,6 +116,9 @@ class FlagSlots:
         self._read_up_to = 0
         """The counter's value at the last read: slots above it are new."""
         self._cached: tuple[int, Tensor] | None = None
+        self.ran = False
+        """Whether any check ran between the last two reads (set by each read; for an
+        asynchronous one, when its result is taken)."""
         self._lock = threading.Lock()
 
     @property
@@ -173,6 +183,7 @@ class FlagSlots:
         graph hands them to an operator before it writes them back (its root hooks traced)."""
         slots, sequence = current if current else (self.slots, self.sequence)
         used = len(self._entries)  # (entries are only appended: the first ``used`` stay)
+        self.ran = False
         if slots is None or sequence is None or not used:
             return []
         if slots.is_cpu:
@@ -200,6 +211,7 @@ class FlagSlots:
     def _acted(self, up_to: int) -> int:
         """A read took the counter at ``up_to``: the value the previous read took."""
         since, self._read_up_to = self._read_up_to, up_to
+        self.ran = up_to != since
         return since
 
 

@@ -10,8 +10,9 @@ Python internals are imported at trace time only, when Dynamo is loaded anyway.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
+import torch
 from torch._library.effects import EffectType
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -59,6 +60,20 @@ def compiler_config() -> Mapping[str, Any] | None:
     return _backend_config(_current_output().compiler_fn)
 
 
+_BACKWARD_WRITES_VERIFIED: Final = ("2.13.",)
+"""The torch releases whose inductor is known to write a backward graph's mutation of a
+forward input in its own kernels (test_compiled_torch_apis.py runs it on the pinned one)."""
+
+
+def backward_writes_keep_versions() -> bool:
+    """Trace time: whether the graph being traced is compiled by an inductor whose backward
+    graphs write a global tensor without bumping its version counter. Autograd checks that
+    counter for every tensor a backward saved: with ``aot_eager`` (real in-place kernels), a
+    tensor written by one backward makes the backward of an earlier forward refuse it (two
+    forwards, then two backwards). Releases not verified answer False (the safe path)."""
+    return compiler_config() is not None and torch.__version__.startswith(_BACKWARD_WRITES_VERIFIED)
+
+
 def optimized_config(compiled: Any) -> Mapping[str, Any] | None:
     """The same for a ``torch.compile``d module (``OptimizedModule``), found through the
     wrappers Dynamo puts around the backend (``dynamo_ctx.callback``, then each one's
@@ -96,6 +111,7 @@ def in_nested_region() -> bool:
 __all__ = [
     "EffectType",
     "assume_constant_result",
+    "backward_writes_keep_versions",
     "compiler_config",
     "current_compile_id",
     "in_nested_region",

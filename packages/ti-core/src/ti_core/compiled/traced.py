@@ -104,6 +104,16 @@ def _slot(key: int, layer: int, site: int, position: int, device: str, watched: 
 
 
 @torch_private.assume_constant_result
+def _gradient_slot(key: int, layer: int, site: int, position: int, device: str) -> int:
+    """Trace time only: the sentinel's gradient slot for the gradient flowing into the tensor
+    at ``position`` of ``site`` (-1: none, ``check_grad`` takes it)."""
+    target = target_of(key)
+    if target is None:
+        return -1
+    return target.sentinel_gradient_slot(layer, site, position, device)
+
+
+@torch_private.assume_constant_result
 def _gradient_check(key: int, layer: int, site: int, position: int) -> int:
     """Trace time: the number under which the gradient check of the tensor at ``position``
     of ``site`` travels to ``check_grad`` (-1: no sentinel)."""
@@ -210,6 +220,18 @@ def _capture(key: int, flags: TraceFlags, layer: int, module: nn.Module, output:
 _CHECKED: Final = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _grad_flagger(slots: Tensor, sequence: Tensor, slot: int) -> Callable[[Tensor], None]:
+    """The sentinel's gradient hook for one output tensor in an inductor graph: its gradient
+    checked into ``slot`` of the gradient slots by the backward graph itself (inductor's
+    kernels write them without bumping their version counter, which autograd checks for the
+    tensors a backward saved); never changes the gradient."""
+
+    def report(grad: Tensor) -> None:
+        flag_into(slots, sequence, slot, grad.detach())
+
+    return report
+
+
 def _grad_checker(key: int, check: int) -> Callable[[Tensor], None]:
     """The sentinel's gradient hook for one output tensor: whether its gradient is finite,
     computed in the backward graph, to ``check_grad``; never changes the gradient."""
@@ -224,9 +246,10 @@ def _check(key: int, layer: int, output: Any) -> None:
     """The flight recorder's sentinel on one call, in every variant of the graph: each
     floating tensor of the output is checked into a slot of its own by the graph itself
     (:mod:`ti_core.compiled.slots`), and the gradient of each one a gradient will reach by a
-    hook (whether it is finite, to ``check_grad``). Inside a higher-order region (activation
-    checkpointing), where a graph cannot write its inputs, and for a tensor without a slot,
-    whether each is finite goes to one ``check`` instead."""
+    hook: into a gradient slot under a verified inductor, else whether it is finite to
+    ``check_grad``. Inside a higher-order region (activation checkpointing), where a graph
+    cannot write its inputs, and for a tensor without a slot, whether each is finite goes to
+    one ``check`` instead."""
     leaves = [(p, t) for p, t in traced_leaves(output) if t.dtype in _CHECKED]
     if not leaves:
         return
@@ -259,11 +282,21 @@ def _check(key: int, layer: int, output: Any) -> None:
             else []
         )
         check(values, key, layer, _site(key, paths), bool(watched), order)
+    gradient_slots = flags.gradient_slots
     for position in watched:
-        number = _gradient_check(key, layer, site, position)
-        if number >= 0:
-            checker = _grad_checker(key, number)
-            leaves[position][1].register_hook(checker)  # type: ignore[no-untyped-call]
+        tensor = leaves[position][1]
+        slot = -1
+        if gradient_slots is not None:
+            slot = _gradient_slot(key, layer, site, position, str(tensor.device))
+        if slot >= 0 and gradient_slots is not None and gradient_slots.slots is not None:
+            assert gradient_slots.sequence is not None  # made with the slots
+            hook = _grad_flagger(gradient_slots.slots, gradient_slots.sequence, slot)
+        else:
+            number = _gradient_check(key, layer, site, position)
+            if number < 0:
+                continue
+            hook = _grad_checker(key, number)
+        tensor.register_hook(hook)  # type: ignore[no-untyped-call]
 
 
 def call(key: int, layer: int, module: nn.Module, output: Any) -> None:

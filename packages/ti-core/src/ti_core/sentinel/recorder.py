@@ -8,7 +8,9 @@ Gradient checks are pre-hooks of the backward nodes that produced the outputs
 (:class:`GradientCheck`), living as long as the autograd graph; each backward's flags are read
 when it ends (an engine callback). Compiled graphs write their output flags into slots
 (:mod:`~ti_core.compiled.slots`), and so do the eager output checks of a run once it has a
-compiled graph; the slots are read with the root forward's other flags.
+compiled graph; the slots are read with the root forward's other flags. Inductor's backward
+graphs write gradient slots the same way (and then so do the eager gradient checks), read
+when the next root forward ends.
 
 Events (``ti.events`` rows) go to the sinks that declare ``write_events`` at once, on the
 thread that found them. State, changed under the recorder's lock::
@@ -52,15 +54,17 @@ forgotten: their backward never came)."""
 class _Forward:
     """One root forward's output flags (per thread) and its backward's gradient flags."""
 
-    __slots__ = ("calls", "gradients", "index", "outputs", "watched")
+    __slots__ = ("calls", "gradient_calls", "gradients", "index", "outputs", "watched")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.outputs = Flags()
         self.gradients: _GradientFlush | None = None
         self.watched = False  # a gradient check was hooked on one of its outputs
-        self.calls: dict[tuple[int, str], int] | None = None
+        self.calls: dict[tuple[int, str], int] = {}
         """Its eager calls per checked tensor, once the run has slots (each has its own)."""
+        self.gradient_calls: dict[tuple[int, str], int] = {}
+        """Its eager gradient checks per tensor, once the run has gradient slots."""
 
 
 class FlightRecorder:
@@ -101,6 +105,9 @@ class FlightRecorder:
         root forward's end whatever (an output read, one forward later)."""
         self.slots = FlagSlots()
         """The slots compiled graphs (and, once there is one, the eager checks) write."""
+        self.gradient_slots = FlagSlots()
+        """The gradient slots inductor's backward graphs (and, once there is one, the eager
+        gradient checks) write; read when the next root forward ends."""
         self._last: _Forward | None = None
         """The latest root forward that ended (compiled gradient checks belong to it)."""
         self._latest: Callable[[], int] = lambda: -1
@@ -145,7 +152,7 @@ class FlightRecorder:
         slotted = self.slots.active and not last  # a compiled run: checks write slots
         for path, tensor in leaves:
             if outputs is not None and not (
-                slotted and self._slot_check(forward, layer, path, tensor)
+                slotted and _slot_check(self.slots, forward.calls, layer, path, tensor)
             ):
                 outputs.add(layer, path, tensor)
             if gradients and tensor.requires_grad:
@@ -158,21 +165,6 @@ class FlightRecorder:
                 check = GradientCheck(self._self_ref, forward, layer, path, tensor.output_nr)
                 node.register_prehook(check)
                 forward.watched = True
-
-    def _slot_check(self, forward: _Forward, layer: int, path: str, tensor: Tensor) -> bool:
-        """Check an eager output into a slot of its own (so its order against the compiled
-        graphs' checks is exact); False when it gets none (then it is checked as usual)."""
-        values = real_values(tensor)
-        if values is None:
-            return True  # nothing to check
-        calls = forward.calls
-        if calls is None:
-            calls = forward.calls = {}
-        slot = self.slots.eager_slot(calls, layer, path, values.device)
-        if slot < 0:
-            return False
-        self.slots.flag(slot, values)
-        return True
 
     def check_values(
         self,
@@ -229,6 +221,8 @@ class FlightRecorder:
         forward: _Forward | None = getattr(self._local, "forward", None)
         self._local.forward = None
         self._settle()
+        if not self._closed:
+            self._read_gradient_slots()
         if forward is None and self.slots.active:  # root hooks traced: no eager begin
             forward = _Forward(self._latest())
         if forward is None or self._closed:
@@ -257,6 +251,30 @@ class FlightRecorder:
             return
         merged = merge(slotted, result, forward.outputs.keys)
         self._outputs_read(forward.index, merged, watched=watched)
+
+    def _read_gradient_slots(self) -> None:
+        """The gradient slots the backwards since the previous read wrote (no Python runs in
+        an inductor backward graph to say when it ends), for the latest root forward that
+        ended, in the order the gradients arrived; nothing when no gradient check ran."""
+        slots = self.gradient_slots
+        forward = self._last
+        if forward is None or not slots.active:
+            return
+        index = forward.index
+        found = slots.read()
+        if isinstance(found, PendingSlots):
+            pending = found
+
+            def act() -> None:
+                keyed = pending.result()
+                if slots.ran:
+                    self._gradients_read(index, [entry for _, entry in keyed])
+
+            with self._lock:
+                self._pending.append((pending.ready, act))
+            return
+        if slots.ran:
+            self._gradients_read(index, [entry for _, entry in found])
 
     def _settle(self, *, wait: bool = False) -> None:
         """Act on the reads asked for earlier (those ready, or all when ``wait``)."""
@@ -380,8 +398,10 @@ class FlightRecorder:
         return event
 
     def close(self) -> None:
-        """Act on every read still in flight, then record nothing more."""
+        """Act on every read still in flight (and the gradient slots of the last backward),
+        then record nothing more."""
         try:
+            self._read_gradient_slots()
             self._settle(wait=True)
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)
@@ -447,6 +467,11 @@ class GradientCheck:
             return
         try:
             forward = self.forward
+            slots = recorder.gradient_slots
+            if slots.active and _slot_check(
+                slots, forward.gradient_calls, self.layer, self.path, grad
+            ):
+                return
             flush = forward.gradients
             if flush is None:
                 flush = forward.gradients = _GradientFlush(self.recorder, forward)
@@ -455,6 +480,22 @@ class GradientCheck:
                 flush._queue()
         except Exception as error:
             recorder._errors.handle(SENTINEL_STAGE, error)
+
+
+def _slot_check(
+    slots: FlagSlots, calls: dict[tuple[int, str], int], layer: int, path: str, tensor: Tensor
+) -> bool:
+    """A compiled run's eager check (an output, or a gradient) into a slot of its own, so its
+    order against the compiled graphs' checks is exact (``calls``: the root forward's count
+    of such checks per tensor); False when it gets none (then it is checked as usual)."""
+    values = real_values(tensor)
+    if values is None:
+        return True  # nothing to check
+    slot = slots.eager_slot(calls, layer, path, values.device)
+    if slot < 0:
+        return False
+    slots.flag(slot, values)
+    return True
 
 
 __all__ = ["SENTINEL_STAGE", "FlightRecorder", "GradientCheck"]
