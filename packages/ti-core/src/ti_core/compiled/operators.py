@@ -331,10 +331,10 @@ def check(
     """The flight recorder's check of one call of a selected module without a slot (inside
     activation checkpointing, or past the slots' capacity): ``values`` holds, per checked
     tensor, a 0-d bool that is true when it is finite (computed in the graph, on the tensors'
-    device), in the order of
-    the paths interned as ``site``; ``watched``: a gradient check of the graph's backward
-    waits on one of them (decided at trace time); ``order``: the slots' counter as the graph
-    holds it here, so the check falls in place among the slots' flags (or empty)."""
+    device), in the order of the paths interned as ``site``; ``watched``: a gradient check of
+    the graph's backward waits on one of them (decided at trace time); ``order``: the slots'
+    counter as the graph holds it here, so the check falls in place among the slots' flags
+    (or empty)."""
     target = target_of(key)
     if target is not None:
         target.compiled_check(values, layer, site, watched, order)

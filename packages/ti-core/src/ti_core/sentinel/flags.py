@@ -10,9 +10,9 @@ Elsewhere (an accelerator, a tensor subclass) a :class:`Flags` collects two 0-d 
 checked tensor (:func:`flag_values`, ``aminmax``'s two), on the tensor's device, with no host
 synchronization: they are all finite exactly when the tensor is, so the check is exact and
 cannot overflow. A compiled graph hands it one 0-d bool per tensor instead, true when the
-tensor is finite (:meth:`Flags.add_value`). :meth:`Flags.read` reads CPU values
-directly; values on an accelerator are stacked per device into one flag each, and only a set
-flag makes it read which fired. There the read is asynchronous (:class:`PendingRead`): the
+tensor is finite (:meth:`Flags.add_value`). :meth:`Flags.read` reads CPU values directly;
+values on an accelerator are stacked per device into one flag each, and only a set flag makes
+it read which fired. There the read is asynchronous (:class:`PendingRead`): the
 flag is copied to the host behind a CUDA event, and the caller acts on it at the next check,
 one root forward later.
 """
