@@ -395,6 +395,8 @@ def test_flags_are_exact_against_numpy(dtype: torch.dtype, numel: int) -> None:
     for case in cases:
         wide = case.to(torch.complex128 if dtype.is_complex else torch.float64).numpy()
         assert _flagged(case) == (not np.isfinite(wide).all()), (dtype, numel)
+        if dtype.is_complex:  # a lazy conjugate (its conj bit set), as ``z.conj()`` returns
+            assert _flagged(case.conj()) == (not np.isfinite(wide).all()), (dtype, numel)
     assert not _flagged(tensor)  # the finite extremes
 
 
@@ -760,6 +762,143 @@ def test_compiled_checks_of_an_output_without_entries_train_on(
     ]
     compiled = events(compile_it=True)
     assert [{k: e[k] for k in keys} for e in compiled] == [{k: e[k] for k in keys} for e in eager]
+
+
+class Rotate(nn.Module):
+    """A complex output: ``x @ weight`` as its real part, ``x`` as its imaginary one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.complex(x @ self.weight, x)
+
+
+class Lambda(nn.Module):
+    def __init__(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function(x)
+
+
+class ComplexPath(nn.Module):
+    """first -> rotate (complex) -> conj (a lazy conjugate) -> magnitude (real) -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.rotate = Rotate()
+        self.conj = Lambda(torch.conj)
+        self.magnitude = Lambda(torch.abs)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.magnitude(self.conj(self.rotate(self.first(x)))))
+
+
+class Float8Path(nn.Module):
+    """first -> narrow (float8_e5m2) -> widen (float32) -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.narrow = Lambda(lambda x: x.to(torch.float8_e5m2))
+        self.widen = Lambda(lambda x: x.to(torch.float32))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.widen(self.narrow(self.first(x))))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex")
+@pytest.mark.parametrize(
+    ("make", "weight", "layers"),
+    [
+        (ComplexPath, "rotate", ["rotate", "conj", "magnitude", "head"]),
+        (Float8Path, "first", ["first", "narrow", "widen", "head"]),
+    ],
+    ids=["complex", "float8"],
+)
+def test_compiled_graphs_check_complex_and_float8_outputs_as_eager_mode_does(
+    make: Callable[[], nn.Module], weight: str, layers: list[str]
+) -> None:
+    """Complex outputs (a lazy conjugate among them) and float8 ones are checked inside an
+    inductor graph as in eager mode: a NaN that starts in a complex output is named there, not
+    at the first real module after it, and a float8 output is among the flagged."""
+
+    def events(compile_it: bool) -> list[dict[str, object]]:
+        return _events_with_a_nan_weight(
+            make,
+            lambda model: getattr(model, weight).weight,
+            compile_it=compile_it,
+            steps=4,
+            nan_at=2,
+            rows=lambda step: 3,
+            fullgraph=True,
+        )
+
+    keys = ("forward_index", "signal", "layer", "layers")
+    expected = {"forward_index": 2, "signal": "output", "layer": layers[0], "layers": layers}
+    for compile_it in (False, True):
+        assert [{k: e[k] for k in keys} for e in events(compile_it)] == [expected], compile_it
+
+
+class ComplexRoot(nn.Module):
+    """first -> rotate (complex) -> root (complex ``sqrt``) -> real -> head. Where rotate's
+    output is zero, ``sqrt``'s gradient is not finite: the gradient flowing into rotate's
+    (complex) output is the first non-finite one, then first's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.rotate = Rotate()
+        self.root = Lambda(torch.sqrt)
+        self.real = Lambda(torch.real)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.real(self.root(self.rotate(self.first(x)))))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex")
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_gradients_into_complex_outputs_are_checked_in_compiled_graphs(
+    backend: str | None,
+) -> None:
+    """The gradient into a complex output is checked in eager mode, by ``ti::check_grad``
+    (``aot_eager``) and in a gradient slot (inductor) alike: the event names rotate, not
+    first, the real module before it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ComplexRoot()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=1))
+    target = torch.compile(model, backend=backend, fullgraph=True) if backend else model
+    try:
+        for step in range(4):
+            if step == 2:  # rotate's first column zero from here on: sqrt(0) there
+                with torch.no_grad():
+                    model.first.weight[0] = 0.0
+                    model.first.bias[0] = 0.0
+                    model.rotate.weight[:, 0] = 0.0
+            target(torch.randn(3, 4)).sum().backward()
+    finally:
+        ti_core.remove_observer(model)
+        torch._dynamo.reset()
+    keys = ("forward_index", "signal", "layer", "layers")
+    assert [{k: e[k] for k in keys} for e in _events(sink)] == [
+        {
+            "forward_index": 2,
+            "signal": "output_gradient",
+            "layer": "rotate",
+            "layers": ["rotate", "first"],
+        }
+    ]
 
 
 class Vanish(nn.Module):

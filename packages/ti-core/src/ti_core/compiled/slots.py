@@ -58,6 +58,32 @@ CAPACITY: Final = 8192
 """Slots per run (64 KiB of int64): checked calls past it fall back to the operator."""
 
 
+WIDE: Final[frozenset[torch.dtype]] = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
+"""The floating dtypes that ``aminmax`` and ``sum`` take as they are."""
+
+
+def can_be_nonfinite(dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` can hold a NaN or an infinity (floating and complex
+    ones; integers and booleans cannot)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def real_view(values: Tensor) -> Tensor:
+    """``values`` (floating or complex, detached) as a real tensor that ``aminmax`` and
+    ``sum`` take, finite exactly where ``values`` is: complex as real pairs (a lazy
+    conjugate resolved first, a copy: ``view_as_real`` refuses it), float8 and other narrow
+    formats widened to float32 (they have no such kernels). The eager checks and the compiled
+    graphs' alike."""
+    dtype = values.dtype
+    if dtype in WIDE:
+        return values
+    if dtype.is_complex:
+        return torch.view_as_real(values.resolve_conj())
+    return values.to(torch.float32)
+
+
 def all_finite(values: Tensor) -> Tensor:
     """The compiled graphs' check of one tensor: a 0-d bool, true when every entry is finite,
     computed by a reduction the compiler fuses into the kernel that produced ``values``.
@@ -75,8 +101,9 @@ def all_finite(values: Tensor) -> Tensor:
 
 
 def flag_into(slots: Tensor, sequence: Tensor, slot: int, values: Tensor) -> None:
-    """Check ``values`` (a floating tensor, detached) into ``slot``: traced into compiled
-    graphs, and run eagerly for the eager checks of a compiled run."""
+    """Check ``values`` (a real floating tensor, detached: :func:`real_view`'s) into
+    ``slot``: traced into compiled graphs, and run eagerly for the eager checks of a compiled
+    run."""
     clean = all_finite(values)
     sequence.add_(1)
     # ``index_put_`` with a tensor index: inductor writes the one entry (``slots[slot] = v``

@@ -43,7 +43,7 @@ from ti_core.compiled.operators import (
     record_grad,
     target_of,
 )
-from ti_core.compiled.slots import all_finite, flag_into
+from ti_core.compiled.slots import all_finite, can_be_nonfinite, flag_into, real_view
 
 NESTED: Final[int] = 3
 """A tensor that requires grad, output inside activation checkpointing (a higher-order region)
@@ -217,9 +217,6 @@ def _capture(key: int, flags: TraceFlags, layer: int, module: nn.Module, output:
             tensor.register_hook(_reporter(ticket, position))  # type: ignore[no-untyped-call]
 
 
-_CHECKED: Final = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def _grad_flagger(slots: Tensor, sequence: Tensor, slot: int) -> Callable[[Tensor], None]:
     """The sentinel's gradient hook for one output tensor in an inductor graph: its gradient
     checked into ``slot`` of the gradient slots by the backward graph itself (inductor's
@@ -227,7 +224,7 @@ def _grad_flagger(slots: Tensor, sequence: Tensor, slot: int) -> Callable[[Tenso
     tensors a backward saved); never changes the gradient."""
 
     def report(grad: Tensor) -> None:
-        flag_into(slots, sequence, slot, grad.detach())
+        flag_into(slots, sequence, slot, real_view(grad.detach()))
 
     return report
 
@@ -237,20 +234,20 @@ def _grad_checker(key: int, check: int) -> Callable[[Tensor], None]:
     computed in the backward graph, to ``check_grad``; never changes the gradient."""
 
     def report(grad: Tensor) -> None:
-        check_grad(all_finite(grad.detach()), key, check)
+        check_grad(all_finite(real_view(grad.detach())), key, check)
 
     return report
 
 
 def _check(key: int, layer: int, output: Any) -> None:
     """The flight recorder's sentinel on one call, in every variant of the graph: each
-    floating tensor of the output is checked into a slot of its own by the graph itself
+    floating or complex tensor of the output is checked into a slot of its own by the graph itself
     (:mod:`ti_core.compiled.slots`), and the gradient of each one a gradient will reach by a
     hook: into a gradient slot under a verified inductor, else whether it is finite to
     ``check_grad``. Inside a higher-order region (activation checkpointing), where a graph
     cannot write its inputs, and for a tensor without a slot, whether each is finite goes to
     one ``check`` instead."""
-    leaves = [(p, t) for p, t in traced_leaves(output) if t.dtype in _CHECKED]
+    leaves = [(p, t) for p, t in traced_leaves(output) if can_be_nonfinite(t.dtype)]
     if not leaves:
         return
     site = _site(key, tuple(p for p, _ in leaves))
@@ -269,11 +266,11 @@ def _check(key: int, layer: int, output: Any) -> None:
             slot = _slot(key, layer, site, position, str(tensor.device), position in watched)
         if slot >= 0 and slots is not None and slots.slots is not None:
             assert slots.sequence is not None  # made with the slots
-            flag_into(slots.slots, slots.sequence, slot, tensor.detach())
+            flag_into(slots.slots, slots.sequence, slot, real_view(tensor.detach()))
         else:
             unslotted.append(position)
     if unslotted:
-        values = [all_finite(leaves[position][1].detach()) for position in unslotted]
+        values = [all_finite(real_view(leaves[position][1].detach())) for position in unslotted]
         paths = tuple(leaves[position][0] for position in unslotted)
         device = str(leaves[unslotted[0]][1].device)
         order = (

@@ -27,36 +27,26 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from ti_core.compiled.slots import Flagged
+from ti_core.compiled.slots import WIDE, Flagged, can_be_nonfinite, real_view
 
-_CHECKED: Final[frozenset[torch.dtype]] = frozenset(
-    {torch.float16, torch.bfloat16, torch.float32, torch.float64}
-)
-_COMPLEX: Final[frozenset[torch.dtype]] = frozenset(
-    {torch.complex32, torch.complex64, torch.complex128}
-)
 _STRIDED: Final = torch.strided
 _HALF: Final[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
 """Summed in float32 (a float16 sum of ordinary values overflows its 65,504)."""
 
 
 def real_values(tensor: Tensor) -> Tensor | None:
-    """A detached real view of ``tensor``'s entries that aminmax and sum take (complex as
-    real pairs, float8 and other narrow formats widened to float32: they have no such
-    kernels); None when it cannot hold a non-finite value (integers, booleans, no entries) or
-    is not a dense tensor."""
+    """A detached real view of ``tensor``'s entries that aminmax and sum take
+    (:func:`~ti_core.compiled.slots.real_view`: complex as real pairs, float8 and other
+    narrow formats widened to float32); None when it cannot hold a non-finite value
+    (integers, booleans, no entries) or is not a dense tensor."""
     if tensor.layout is not _STRIDED or not tensor.numel():
+        return None
+    dtype = tensor.dtype
+    if dtype not in WIDE and not can_be_nonfinite(dtype):
         return None
     # ``.data`` of a plain tensor: a detached alias without ``detach()``'s autograd bookkeeping
     values = tensor.data if type(tensor) is Tensor else tensor.detach()
-    dtype = tensor.dtype
-    if dtype in _CHECKED:
-        return values
-    if dtype in _COMPLEX:
-        return torch.view_as_real(values)
-    if dtype.is_floating_point:
-        return values.to(torch.float32)
-    return None
+    return values if dtype in WIDE else real_view(values)
 
 
 def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
