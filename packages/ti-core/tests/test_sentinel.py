@@ -856,7 +856,7 @@ class ComplexRoot(nn.Module):
         super().__init__()
         self.first = nn.Linear(4, 4)
         self.rotate = Rotate()
-        self.root = Lambda(torch.sqrt)
+        self.root = Sqrt()
         self.real = Lambda(torch.real)
         self.head = nn.Linear(4, 1)
 

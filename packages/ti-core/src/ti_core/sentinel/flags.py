@@ -27,7 +27,7 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from ti_core.compiled.slots import WIDE, Flagged, can_be_nonfinite, real_view
+from ti_core.compiled.slots import Flagged, can_be_nonfinite, real_view
 
 _STRIDED: Final = torch.strided
 _HALF: Final[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
@@ -41,12 +41,10 @@ def real_values(tensor: Tensor) -> Tensor | None:
     (integers, booleans, no entries) or is not a dense tensor."""
     if tensor.layout is not _STRIDED or not tensor.numel():
         return None
-    dtype = tensor.dtype
-    if dtype not in WIDE and not can_be_nonfinite(dtype):
+    if not can_be_nonfinite(tensor.dtype):
         return None
     # ``.data`` of a plain tensor: a detached alias without ``detach()``'s autograd bookkeeping
-    values = tensor.data if type(tensor) is Tensor else tensor.detach()
-    return values if dtype in WIDE else real_view(values)
+    return real_view(tensor.data if type(tensor) is Tensor else tensor.detach())
 
 
 def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
