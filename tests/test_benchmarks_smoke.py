@@ -308,3 +308,30 @@ def test_reference_python_runs_a_second_tree_in_the_same_rounds(tmp_path: Path) 
     assert "This tree (ti) against the reference tree (ti-ref)" in done.stdout
     table = done.stdout.split("This tree (ti) against the reference tree (ti-ref)")[1]
     assert table.count("sequence") == 1
+
+
+def test_sentinel_parts_times_every_eager_variant(tmp_path: Path) -> None:
+    """benchmarks/sentinel_parts.py eager runs end to end on one short round and prints a
+    ratio for each variant (no timing is asserted)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "sentinel_parts.py"),
+            "eager",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("eager sequence: bare step ")
+    variants = {line.split()[0]: line for line in lines[1:]}
+    assert set(variants) == {"sentinel", "no-kernel", "no-add", "no-gradient-call"}
+    for line in variants.values():
+        assert float(line.split()[1].rstrip("x")) > 0
