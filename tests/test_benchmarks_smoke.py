@@ -332,6 +332,40 @@ def test_sentinel_parts_times_every_eager_variant(tmp_path: Path) -> None:
     lines = done.stdout.strip().splitlines()
     assert lines[0].startswith("eager sequence: bare step ")
     variants = {line.split()[0]: line for line in lines[1:]}
-    assert set(variants) == {"sentinel", "no-kernel", "no-add", "no-gradient-call"}
+    assert set(variants) == {
+        "unsampled",
+        "sentinel",
+        "sum-check",
+        "no-kernel",
+        "no-add",
+        "no-gradient-call",
+    }
     for line in variants.values():
         assert float(line.split()[1].rstrip("x")) > 0
+
+
+def test_sentinel_parts_times_every_reduction_inside_the_step(tmp_path: Path) -> None:
+    """benchmarks/sentinel_parts.py kernels runs end to end on one short round and prints a
+    time per checked tensor for each exact reduction (no timing is asserted)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "sentinel_parts.py"),
+            "kernels",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("kernels sequence: per checked tensor inside the step")
+    names = [line.split(" median ")[0].strip() for line in lines[1:]]
+    assert names == ["cpu_nonfinite", "dot", "sum", "numpy sum", "abs max", "aminmax"]
+    for line in lines[1:]:
+        assert float(line.split(" median ")[1].split()[0]) > 0

@@ -376,7 +376,7 @@ def _flagged(tensor: torch.Tensor) -> bool:
 @pytest.mark.parametrize(
     "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
 )
-@pytest.mark.parametrize("numel", [1, 7, 4096, (1 << 20) + 3])
+@pytest.mark.parametrize("numel", [1, 7, 4096, 1 << 15, (1 << 20) + 3])
 def test_flags_are_exact_against_numpy(dtype: torch.dtype, numel: int) -> None:
     generator = torch.Generator().manual_seed(numel)
     base = torch.randn(numel, generator=generator, dtype=torch.float64)

@@ -1,10 +1,12 @@
 """Non-finite flags of one check (a root forward's outputs, or the gradients one backward
 delivered to it), exact, and read once per check.
 
-A plain CPU tensor is checked at once (:func:`cpu_nonfinite`): its sum is finite whenever the
-tensor is (NaN and infinities propagate), so a finite sum, one read of the tensor and one
-scalar read, clears it; a non-finite sum (a NaN or an infinity, or finite entries whose sum
-overflowed) is decided exactly by ``aminmax``. Only a flagged tensor is remembered.
+A plain CPU tensor is checked at once (:func:`cpu_nonfinite`): its sum (from 32,768
+contiguous float32/float64 entries on, its dot product with itself, which runs as one BLAS
+call instead of on torch's intra-op threads) is finite whenever the tensor is (NaN and
+infinities propagate), so a finite sum, one read of the tensor and one scalar read, clears it;
+a non-finite sum (a NaN or an infinity, or finite entries whose sum overflowed) is decided
+exactly by ``aminmax``. Only a flagged tensor is remembered.
 
 Elsewhere (an accelerator, a tensor subclass) a :class:`Flags` collects two 0-d tensors per
 checked tensor (:func:`flag_values`, ``aminmax``'s two), on the tensor's device, with no host
@@ -32,6 +34,10 @@ from ti_core.compiled.slots import Flagged, can_be_nonfinite, real_view
 _STRIDED: Final = torch.strided
 _HALF: Final[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
 """Summed in float32 (a float16 sum of ordinary values overflows its 65,504)."""
+_BLAS: Final[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float64})
+"""Checked by a BLAS ``dot`` from :data:`_PARALLEL` entries on."""
+_PARALLEL: Final = 32_768
+"""ATen's grain size: a CPU reduction of this many entries or more runs on its threads."""
 
 
 def real_values(tensor: Tensor) -> Tensor | None:
@@ -64,11 +70,22 @@ def flag_values(tensor: Tensor) -> tuple[Tensor, ...]:
 def cpu_nonfinite(tensor: Tensor) -> bool | None:
     """Whether the plain (``type(t) is Tensor``) CPU tensor holds a NaN or an infinity; None
     when it cannot (integers, booleans, no entries, not dense). Exact: a finite sum clears it,
-    a non-finite one is decided by ``aminmax`` (finite entries can overflow a sum)."""
+    a non-finite one is decided by ``aminmax`` (finite entries can overflow a sum).
+
+    From :data:`_PARALLEL` entries on, a contiguous float32/float64 tensor is summed as its dot
+    product with itself (finite whenever the tensor is, as a sum is): torch runs a reduction
+    that large on its intra-op threads, which inside a training step costs more than the read
+    (about 13 against 7 us at 32,768 entries, between two matrix products on two threads),
+    while the BLAS ``dot`` stays fast at every size from there on (benchmarks/README.md)."""
     values = real_values(tensor)
     if values is None:
         return None
-    total = values.sum(dtype=torch.float32) if values.dtype in _HALF else values.sum()
+    dtype = values.dtype
+    if dtype in _BLAS and values.numel() >= _PARALLEL and values.is_contiguous():
+        flat = values.view(-1)
+        total = torch.dot(flat, flat)
+    else:
+        total = values.sum(dtype=torch.float32) if dtype in _HALF else values.sum()
     if isfinite(total.item()):
         return False
     low, high = torch.aminmax(values)
