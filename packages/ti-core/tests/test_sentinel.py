@@ -199,6 +199,28 @@ def test_another_event_fires_only_after_a_clean_forward() -> None:
     assert {r["forward_index"] for r in sink.table().to_pylist()} == {0, 4, 11}
 
 
+def test_a_clean_forward_before_the_event_does_not_re_arm_it() -> None:
+    """Two forwards, then one backward of both (a siamese step): the first forward's clean
+    gradient check ends after the second forward's event, and must not re-arm the sentinel;
+    only a clean forward after the event does."""
+    torch.manual_seed(0)
+    model = Shifted()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=1))
+    # (shift of the first forward, of the second) per step; forwards 3..7 are non-finite
+    steps = [(1.0, 1.0), (1.0, -100.0), (-100.0, -100.0), (-100.0, -100.0), (1.0, 1.0)]
+    steps.append((-100.0, 1.0))  # forward 10: after the clean 8 and 9, a second event
+    for first, second in steps:
+        x = torch.rand(4, 6) + 0.1
+        model.shift = first
+        out = model(x)
+        model.shift = second
+        (out.sum() + model(x).sum()).backward()
+    ti_core.remove_observer(model)
+    events = _events(sink)
+    assert [(e["forward_index"], e["signal"]) for e in events] == [(3, "output"), (10, "output")]
+
+
 def test_nan_first_in_backward_names_the_module_it_flows_into() -> None:
     torch.manual_seed(0)
     model = BackwardNaN()

@@ -17,10 +17,13 @@ thread that found them. State, changed under the recorder's lock::
 
     ARMED ──a check fires──> FIRED (one event, a dense capture triggered)
       ^                        │
-      └── a root forward whose output check and gradient check were both clean
+      └── a later root forward whose output check and gradient check were both clean
 
-so a run that stays non-finite records one event, not one per forward. Manual and loss
-triggers (:meth:`FlightRecorder.trigger`) record their event whatever the state.
+so a run that stays non-finite records one event, not one per forward. "Later": its index
+is above the event's, since checks can complete out of forward order (two forwards, then
+one backward: the first forward's clean gradient check ends after the second's event).
+Manual and loss triggers (:meth:`FlightRecorder.trigger`) record their event whatever the
+state.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ class FlightRecorder:
         self._local = threading.local()
         self._ids = itertools.count()
         self._armed = True
+        self._fired_at = -1
+        """The forward index of the latest ``nonfinite`` event: only a clean forward after it
+        re-arms."""
         self._closed = False
         self._clean_outputs: dict[int, bool] = {}
         """Root forwards whose output check was clean, waiting for their gradient check."""
@@ -303,7 +309,7 @@ class FlightRecorder:
                 while len(self._clean_outputs) > _RECENT:
                     del self._clean_outputs[next(iter(self._clean_outputs))]
             else:
-                self._armed = True
+                self._rearm_locked(index)
 
     def gradients_checked(self, index: int, flags: Flags) -> None:
         """One backward's gradient checks for root forward ``index`` are complete."""
@@ -327,7 +333,12 @@ class FlightRecorder:
             return
         with self._lock:
             if self._clean_outputs.pop(index, False):
-                self._armed = True
+                self._rearm_locked(index)
+
+    def _rearm_locked(self, index: int) -> None:
+        """Root forward ``index`` was clean: re-arm, if it came after the latest event."""
+        if index > self._fired_at:
+            self._armed = True
 
     # ------------------------------------------------------------------ events
 
@@ -336,6 +347,7 @@ class FlightRecorder:
             if not self._armed or self._closed:
                 return
             self._armed = False
+            self._fired_at = index
         assert self.options is not None
         self._record(
             "nonfinite",
