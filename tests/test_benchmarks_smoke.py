@@ -310,26 +310,24 @@ def test_reference_python_runs_a_second_tree_in_the_same_rounds(tmp_path: Path) 
     assert table.count("sequence") == 1
 
 
-def test_sentinel_parts_times_every_eager_variant(tmp_path: Path) -> None:
-    """benchmarks/sentinel_parts.py eager runs end to end on one short round and prints a
-    ratio for each variant (no timing is asserted)."""
+def _sentinel_parts(tmp_path: Path, mode: str) -> list[str]:
+    """The output lines of benchmarks/sentinel_parts.py ``mode`` on one round of two steps."""
+    script = str(ROOT / "benchmarks" / "sentinel_parts.py")
     done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "sentinel_parts.py"),
-            "eager",
-            "--rounds",
-            "1",
-            "--steps",
-            "2",
-        ],
+        [sys.executable, script, mode, "--rounds", "1", "--steps", "2"],
         capture_output=True,
         text=True,
         timeout=240,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr + done.stdout
-    lines = done.stdout.strip().splitlines()
+    return done.stdout.strip().splitlines()
+
+
+def test_sentinel_parts_times_every_eager_variant(tmp_path: Path) -> None:
+    """benchmarks/sentinel_parts.py eager runs end to end on one short round and prints a
+    ratio for each variant (no timing is asserted)."""
+    lines = _sentinel_parts(tmp_path, "eager")
     assert lines[0].startswith("eager sequence: bare step ")
     variants = {line.split()[0]: line for line in lines[1:]}
     assert set(variants) == {
@@ -347,23 +345,7 @@ def test_sentinel_parts_times_every_eager_variant(tmp_path: Path) -> None:
 def test_sentinel_parts_times_every_reduction_inside_the_step(tmp_path: Path) -> None:
     """benchmarks/sentinel_parts.py kernels runs end to end on one short round and prints a
     time per checked tensor for each exact reduction (no timing is asserted)."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "sentinel_parts.py"),
-            "kernels",
-            "--rounds",
-            "1",
-            "--steps",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr + done.stdout
-    lines = done.stdout.strip().splitlines()
+    lines = _sentinel_parts(tmp_path, "kernels")
     assert lines[0].startswith("kernels sequence: per checked tensor inside the step")
     names = [line.split(" median ")[0].strip() for line in lines[1:]]
     assert names == ["cpu_nonfinite", "dot", "sum", "numpy sum", "abs max", "aminmax"]
