@@ -221,6 +221,24 @@ def test_a_clean_forward_before_the_event_does_not_re_arm_it() -> None:
     assert [(e["forward_index"], e["signal"]) for e in events] == [(3, "output"), (10, "output")]
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad-without-backward"])
+def test_inference_forwards_re_arm_the_sentinel(grad: bool) -> None:
+    """Forwards without a backward: under ``no_grad`` a clean one re-arms at once; with
+    gradients enabled, once its autograd graph is gone (its gradient check will never come),
+    so the second incident records its event either way."""
+    torch.manual_seed(0)
+    model = Shifted()
+    sink = MemorySink()
+    _attach(model, sink, sentinel=Sentinel(dense_forwards=1))
+    for shift in (1.0, -100.0, 1.0, 1.0, -100.0, 1.0):  # incidents at forwards 1 and 4
+        model.shift = shift
+        with torch.set_grad_enabled(grad):
+            prediction = model(torch.rand(4, 6) + 0.1)
+        assert prediction.requires_grad == grad
+    ti_core.remove_observer(model)
+    assert [e["forward_index"] for e in _events(sink)] == [1, 4]
+
+
 def test_nan_first_in_backward_names_the_module_it_flows_into() -> None:
     torch.manual_seed(0)
     model = BackwardNaN()

@@ -21,7 +21,10 @@ thread that found them. State, changed under the recorder's lock::
 
 so a run that stays non-finite records one event, not one per forward. "Later": its index
 is above the event's, since checks can complete out of forward order (two forwards, then
-one backward: the first forward's clean gradient check ends after the second's event).
+one backward: the first forward's clean gradient check ends after the second's event). A
+forward whose autograd graph is gone without a backward through it (inference with
+gradients enabled) will never have a gradient check: once its graph is freed, its clean
+outputs are enough.
 Manual and loss triggers (:meth:`FlightRecorder.trigger`) record their event whatever the
 state.
 """
@@ -57,17 +60,36 @@ forgotten: their backward never came)."""
 class _Forward:
     """One root forward's output flags (per thread) and its backward's gradient flags."""
 
-    __slots__ = ("calls", "gradient_calls", "gradients", "index", "outputs", "watched")
+    __slots__ = ("calls", "gradient_calls", "gradients", "index", "outputs", "watch", "watched")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.outputs = Flags()
         self.gradients: _GradientFlush | None = None
         self.watched = False  # a gradient check was hooked on one of its outputs
+        self.watch: _Watch | None = None
+        """Its eager gradient checks' liveness (made with the first)."""
         self.calls: dict[tuple[int, str], int] = {}
         """Its eager calls per checked tensor, once the run has slots (each has its own)."""
         self.gradient_calls: dict[tuple[int, str], int] = {}
         """Its eager gradient checks per tensor, once the run has gradient slots."""
+
+
+class _Watch:
+    """The eager gradient checks hooked in one root forward: whether a backward ran any, and
+    whether the autograd graph holding them still lives (kept while the forward waits for
+    its gradient check, so nothing heavier than this is)."""
+
+    __slots__ = ("probes", "ran")
+
+    def __init__(self) -> None:
+        self.probes: list[weakref.ref[GradientCheck]] = []
+        self.ran = False
+
+    def abandoned(self) -> bool:
+        """Whether the graph is gone with no backward through it (inference with gradients
+        enabled): the forward's gradient check will never come."""
+        return not self.ran and all(probe() is None for probe in self.probes)
 
 
 class FlightRecorder:
@@ -104,8 +126,9 @@ class FlightRecorder:
         """The forward index of the latest ``nonfinite`` event: only a clean forward after it
         re-arms."""
         self._closed = False
-        self._clean_outputs: dict[int, bool] = {}
-        """Root forwards whose output check was clean, waiting for their gradient check."""
+        self._clean_outputs: dict[int, _Watch | None] = {}
+        """Root forwards whose output check was clean, waiting for their gradient check (with
+        their eager gradient checks' :class:`_Watch`; None: a compiled graph's checks)."""
         self._pending: list[tuple[Callable[[], bool] | None, Callable[[], None]]] = []
         """Reads asked for on an accelerator: ``(ready, act)``; ``ready`` None: act at the next
         root forward's end whatever (an output read, one forward later)."""
@@ -170,6 +193,10 @@ class FlightRecorder:
                 # same value as a tensor hook, at two thirds of its registration cost).
                 check = GradientCheck(self._self_ref, forward, layer, path, tensor.output_nr)
                 node.register_prehook(check)
+                watch = forward.watch
+                if watch is None:
+                    watch = forward.watch = _Watch()
+                watch.probes.append(weakref.ref(check))
                 forward.watched = True
 
     def check_values(
@@ -250,13 +277,13 @@ class FlightRecorder:
                 flagged = result.result() if isinstance(result, PendingRead) else result
                 found = slotted.result() if isinstance(slotted, PendingSlots) else slotted
                 merged = merge(found, flagged, forward.outputs.keys)
-                self._outputs_read(forward.index, merged, watched=watched)
+                self._outputs_read(forward, merged, watched=watched)
 
             with self._lock:
                 self._pending.append((None, act))
             return
         merged = merge(slotted, result, forward.outputs.keys)
-        self._outputs_read(forward.index, merged, watched=watched)
+        self._outputs_read(forward, merged, watched=watched)
 
     def _read_gradient_slots(self) -> None:
         """The gradient slots the backwards since the previous read wrote (no Python runs in
@@ -299,16 +326,25 @@ class FlightRecorder:
             with self._lock:
                 self._pending[:0] = later
 
-    def _outputs_read(self, index: int, flagged: Flagged, *, watched: bool) -> None:
+    def _outputs_read(self, forward: _Forward, flagged: Flagged, *, watched: bool) -> None:
+        index = forward.index
         if flagged:
             self._fire("output", index, flagged)
             return
         with self._lock:
             if watched:  # clean so far: re-armed once its gradients are clean too
-                self._clean_outputs[index] = True
+                self._clean_outputs[index] = forward.watch
                 while len(self._clean_outputs) > _RECENT:
                     del self._clean_outputs[next(iter(self._clean_outputs))]
             else:
+                self._rearm_locked(index)
+
+    def _rearm_abandoned_locked(self) -> None:
+        """Waiting forwards whose graph is gone without a backward count as clean (their
+        gradient check will never come): they re-arm as a clean gradient check would."""
+        for index, watch in list(self._clean_outputs.items()):
+            if watch is not None and watch.abandoned():
+                del self._clean_outputs[index]
                 self._rearm_locked(index)
 
     def gradients_checked(self, index: int, flags: Flags) -> None:
@@ -332,7 +368,8 @@ class FlightRecorder:
             self._fire("output_gradient", index, flagged)
             return
         with self._lock:
-            if self._clean_outputs.pop(index, False):
+            if index in self._clean_outputs:
+                del self._clean_outputs[index]
                 self._rearm_locked(index)
 
     def _rearm_locked(self, index: int) -> None:
@@ -344,6 +381,8 @@ class FlightRecorder:
 
     def _fire(self, signal: str, index: int, flagged: Flagged) -> None:
         with self._lock:
+            if not self._armed:
+                self._rearm_abandoned_locked()
             if not self._armed or self._closed:
                 return
             self._armed = False
@@ -454,7 +493,7 @@ class GradientCheck:
     """Pre-hook of the backward node that produced a checked output: checks the gradient
     flowing into that output (the node's output ``output_nr``); never changes it."""
 
-    __slots__ = ("forward", "layer", "output_nr", "path", "recorder")
+    __slots__ = ("__weakref__", "forward", "layer", "output_nr", "path", "recorder")
 
     def __init__(
         self,
@@ -471,6 +510,9 @@ class GradientCheck:
         self.output_nr = output_nr
 
     def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        watch = self.forward.watch
+        if watch is not None:  # (made before this check was hooked)
+            watch.ran = True
         recorder = self.recorder()
         if recorder is None or recorder.closed:
             return
