@@ -25,6 +25,7 @@ one backward: the first forward's clean gradient check ends after the second's e
 forward whose autograd graph is gone without a backward through it (inference with
 gradients enabled) will never have a gradient check: once its graph is freed, its clean
 outputs are enough.
+
 Manual and loss triggers (:meth:`FlightRecorder.trigger`) record their event whatever the
 state.
 """
