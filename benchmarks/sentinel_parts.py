@@ -182,16 +182,19 @@ def _kernels(workload: str, rounds: int, steps: int) -> None:
     reductions = _reductions()
     checks = {name: timed(name, check) for name, check in reductions.items()}
     order = list(checks)
-    for warm in (True, False):
-        for _ in range(1 if warm else rounds):
+
+    def play(count: int) -> None:
+        for _ in range(count):
             random.shuffle(order)
             for name in order:
                 with _patched(flags, "cpu_nonfinite", checks[name]):
                     for _ in range(steps):
                         observed.step()
-        if warm:
-            taken.clear()
-            checks = {name: timed(name, check) for name, check in reductions.items()}
+
+    play(1)  # warm-up round, not counted
+    for spent in taken.values():
+        spent.clear()
+    play(rounds)
     print(f"kernels {workload}: per checked tensor inside the step ({rounds} rounds of {steps})")
     for name in reductions:
         spent = sorted(taken[name])
