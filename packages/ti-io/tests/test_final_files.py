@@ -20,7 +20,8 @@ from ti_io import DirectorySink, HistoryConfig
 from ti_io.facts import RunFacts
 from ti_io.finish.result_json import render
 from ti_io.finish.statistics import finish_statistics
-from ti_io.read.aggregates import aggregate
+from ti_io.read.measurements import aggregate_files
+from ti_io.read.row_groups import history_files
 from ti_schema import histogram_schema, history_schema
 
 # The module (``ti_io.finish.consolidate`` as an attribute is the package's function of that name).
@@ -28,7 +29,11 @@ CONSOLIDATE = importlib.import_module("ti_io.finish.consolidate")
 
 
 def _finalized_run(
-    directory: Path, s: Synth, samples: int, part_samples: int
+    directory: Path,
+    s: Synth,
+    samples: int,
+    part_samples: int,
+    before_close: Callable[[], None] = lambda: None,
 ) -> dict[str, list[pa.RecordBatch]]:
     # Parts of exactly ``part_samples`` samples: published by flush (the writer takes what is
     # buffered when it gets to it, so a part due by row count may hold a little more).
@@ -43,6 +48,8 @@ def _finalized_run(
         sink.write_histograms(sent["histograms"][-1])
         if (sample + 1) % part_samples == 0:
             sink.flush()
+    sink.flush()
+    before_close()
     sink.close()
     return sent
 
@@ -130,15 +137,22 @@ def test_index_md_says_finalized_and_counts_the_histograms(
 def test_live_aggregation_of_ti_summary_reproduces_result_json(
     tmp_path: Path, synth: Callable[..., Synth], samples: int
 ) -> None:
-    """``result_json.aggregate`` (what ``ti summary`` computes from a live run's parts) and the
-    streaming digest of finalization are two implementations of one contract: the same history
-    must render the same result.json, byte for byte (shapes, dtypes, module types and
-    unavailable reasons included)."""
+    """What ``ti summary`` computes from a live run's parts (``aggregate_files``, reading the
+    parts' row groups) and finalization's digest (fed the row groups it writes) are one
+    aggregation fed two ways: the same history must render the same result.json, byte for
+    byte (shapes, dtypes, module types and unavailable reasons included)."""
     s = synth(empty_every=2)  # unavailable values, with their reasons
-    _finalized_run(tmp_path, s, samples=samples, part_samples=2)
     facts = RunFacts.from_run(s.run, 3)
-    history = pl.scan_parquet(tmp_path / "history.parquet")
-    aggregated = finish_statistics(aggregate(history, facts.window).collect(), facts.window)
+    live: list[pl.DataFrame] = []
+
+    def aggregate_live() -> None:
+        files = history_files(tmp_path)
+        assert not files.final
+        assert len(files.paths) > 1, "vacuous: the parts were not read"
+        live.append(aggregate_files(files, facts.window)[0])
+
+    _finalized_run(tmp_path, s, samples=samples, part_samples=2, before_close=aggregate_live)
+    aggregated = finish_statistics(live[0], facts.window)
     text = render(facts.layers, aggregated, window=facts.window, metrics=facts.metrics)
     written = (tmp_path / "result.json").read_text(encoding="utf-8")
     assert '"unavailable_reason": "' in written, "vacuous: no unavailable value was recorded"
@@ -152,7 +166,8 @@ def test_result_json_lists_catalog_layers_in_catalog_order_then_the_rest_by_name
     _finalized_run(tmp_path, s, samples=2, part_samples=1)
     facts = RunFacts.from_run(s.run, 3)
     history = pl.scan_parquet(tmp_path / "history.parquet")
-    aggregated = finish_statistics(aggregate(history, facts.window).collect(), facts.window)
+    files = history_files(tmp_path)
+    aggregated = finish_statistics(aggregate_files(files, facts.window)[0], facts.window)
     names = [layer.name for layer in facts.layers]
     executed = sorted(set(history.select("layer").collect().to_series().to_list()))
     assert len(executed) >= 2, "vacuous: the order of one layer says nothing"

@@ -174,6 +174,12 @@ def _first_page_has_crc(f: IO[bytes] | pa.NativeFile, metadata: pq.FileMetaData)
     return at < len(header) and header[at] == 0x15
 
 
+def has_page_checksums(path: Path, metadata: pq.FileMetaData) -> bool:
+    """Whether the pages of ``path`` (its footer ``metadata``) carry checksums (False for a
+    file written before ti-io wrote them)."""
+    return _has_crc(path, metadata)
+
+
 def verify_parquet(path: Path) -> Verification:
     """Read every page of ``path`` once, a row group at a time, checking page checksums.
 
@@ -296,6 +302,7 @@ __all__ = [
     "PAGE_CHECKSUMS",
     "DamagedFileError",
     "Verification",
+    "has_page_checksums",
     "open_verified",
     "parquet_problem",
     "parquet_rows",

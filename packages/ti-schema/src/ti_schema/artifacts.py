@@ -10,7 +10,7 @@ collected; nothing stops at the first.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ti_schema.errors import SchemaMismatchError
 from ti_schema.layout import (
     EVENT_PARTS,
     EVENTS_FILE,
@@ -35,7 +34,13 @@ from ti_schema.layout import (
     rank_dir_name,
 )
 from ti_schema.result_json import load_strict_json, result_json_problems
-from ti_schema.validate import validate_events, validate_histograms, validate_history
+from ti_schema.validate import (
+    EVENTS_CONTRACT,
+    HISTOGRAMS_CONTRACT,
+    HISTORY_CONTRACT,
+    Contract,
+    row_group_problems,
+)
 
 
 @dataclass(frozen=True)
@@ -49,37 +54,61 @@ class ArtifactProblem:
         return f"{self.path}: {self.message}"
 
 
+RowGroupReader = Callable[[Path], Iterator[pa.Table]]
+"""``read(path)``: the row groups of a Parquet file, in order (``ti validate`` passes one that
+also verifies page checksums)."""
+
+
+def read_row_groups(path: Path) -> Iterator[pa.Table]:
+    """Every row group of ``path``, one at a time (the default :data:`RowGroupReader`)."""
+    with pq.ParquetFile(path) as source:
+        for index in range(source.metadata.num_row_groups):
+            yield source.read_row_group(index)
+
+
 def _check_parquet(
     path: Path,
-    validate: Callable[..., None],
+    contract: Contract,
     rank: int | None,
     problems: list[ArtifactProblem],
+    read: RowGroupReader,
 ) -> None:
+    """The contract's problems with the Parquet file ``path``, read a row group at a time
+    (memory does not grow with the file)."""
+    ranks: set[int] = set()
+
+    def row_groups() -> Iterator[pa.Table]:
+        for table in read(path):
+            if rank is not None and "rank" in table.column_names and table.num_rows:
+                held: list[Any] = pc.unique(table.column("rank")).to_pylist()
+                ranks.update(r for r in held if r is not None)
+            yield table
+
     try:
-        table = pq.read_table(path)
-        footer = pq.read_metadata(path).metadata
-    except (OSError, pa.ArrowException) as exc:
-        problems.append(ArtifactProblem(path, f"cannot be read as Parquet ({exc})"))
-        return
-    try:
+        metadata = pq.read_metadata(path)
         # The Parquet footer holds `ti` whoever wrote the file; pyarrow's reconstructed Arrow
         # schema lacks it for files written by Polars.
-        validate(table, metadata=footer)
-    except SchemaMismatchError as error:
-        problems.extend(ArtifactProblem(path, str(m)) for m in error.mismatches)
-    if rank is not None and "rank" in table.column_names and table.num_rows:
-        held: list[Any] = pc.unique(table.column("rank")).to_pylist()
-        ranks = sorted(r for r in held if r is not None)
-        if ranks != [rank]:
-            problems.append(
-                ArtifactProblem(
-                    path, f"sits in {rank_dir_name(rank)}/ but holds rank values {ranks}"
-                )
+        found = row_group_problems(
+            row_groups(), contract, metadata.schema.to_arrow_schema(), metadata=metadata.metadata
+        )
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        problems.append(ArtifactProblem(path, f"cannot be read as Parquet ({exc})"))
+        return
+    problems.extend(ArtifactProblem(path, str(m)) for m in found)
+    if rank is not None and ranks and sorted(ranks) != [rank]:
+        problems.append(
+            ArtifactProblem(
+                path, f"sits in {rank_dir_name(rank)}/ but holds rank values {sorted(ranks)}"
             )
+        )
 
 
 def _check_run_dir(
-    directory: Path, rank: int | None, allow_live: bool, problems: list[ArtifactProblem]
+    directory: Path,
+    rank: int | None,
+    allow_live: bool,
+    problems: list[ArtifactProblem],
+    read: RowGroupReader,
 ) -> None:
     history = directory / HISTORY_FILE
     parts_dir = directory / HISTORY_PARTS
@@ -92,7 +121,7 @@ def _check_run_dir(
             )
         )
     if history.is_file():
-        _check_parquet(history, validate_history, rank, problems)
+        _check_parquet(history, HISTORY_CONTRACT, rank, problems, read)
     elif parts_dir.is_dir():
         if not allow_live:
             problems.append(
@@ -105,17 +134,17 @@ def _check_run_dir(
     else:
         problems.append(ArtifactProblem(history, "missing"))
     for part in list_parts(parts_dir):
-        _check_parquet(part, validate_history, rank, problems)
+        _check_parquet(part, HISTORY_CONTRACT, rank, problems, read)
     histograms = directory / HISTOGRAMS_FILE
     if histograms.is_file():
-        _check_parquet(histograms, validate_histograms, rank, problems)
+        _check_parquet(histograms, HISTOGRAMS_CONTRACT, rank, problems, read)
     for part in list_parts(directory / HISTOGRAM_PARTS):
-        _check_parquet(part, validate_histograms, rank, problems)
+        _check_parquet(part, HISTOGRAMS_CONTRACT, rank, problems, read)
     events = directory / EVENTS_FILE
     if events.is_file():
-        _check_parquet(events, validate_events, rank, problems)
+        _check_parquet(events, EVENTS_CONTRACT, rank, problems, read)
     for part in list_parts(directory / EVENT_PARTS):
-        _check_parquet(part, validate_events, rank, problems)
+        _check_parquet(part, EVENTS_CONTRACT, rank, problems, read)
     result = directory / RESULT_FILE
     if not result.is_file():
         problems.append(ArtifactProblem(result, "missing"))
@@ -131,7 +160,10 @@ def _check_run_dir(
 
 
 def artifact_dir_problems(
-    path: str | os.PathLike[str], *, allow_live: bool = False
+    path: str | os.PathLike[str],
+    *,
+    allow_live: bool = False,
+    read: RowGroupReader = read_row_groups,
 ) -> list[ArtifactProblem]:
     """Every way the run directory ``path`` breaks the contract; empty when it conforms.
 
@@ -143,7 +175,9 @@ def artifact_dir_problems(
     but no history.parquet yet (live, or interrupted before ``ti consolidate``) conforms when
     its parts do, and so does one whose finalization was interrupted (the finalization journal
     is there: the files written so far and the parts are checked); otherwise both are reported
-    as not consolidated. Raises NotADirectoryError when ``path`` is not a directory.
+    as not consolidated. ``read``: how a Parquet file's row groups are read (each file is
+    checked a row group at a time, so memory does not grow with the run). Raises
+    NotADirectoryError when ``path`` is not a directory.
     """
     root = Path(path)
     if not root.is_dir():
@@ -154,7 +188,7 @@ def artifact_dir_problems(
     ranks = list_rank_dirs(root)
     if ranks:
         for rank, child in ranks:
-            _check_run_dir(child, rank, allow_live, problems)
+            _check_run_dir(child, rank, allow_live, problems, read)
     else:
-        _check_run_dir(root, None, allow_live, problems)
+        _check_run_dir(root, None, allow_live, problems, read)
     return problems

@@ -11,7 +11,7 @@ are informative and never checked: engines such as Polars drop the former on a r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Final, Literal
@@ -131,6 +131,70 @@ def _count_and_first(mask: pa.ChunkedArray) -> tuple[int, int]:
     return int(count), int(first)
 
 
+@dataclass(frozen=True)
+class _Counted(Mismatch):
+    """A mismatch of a row rule: how many rows break it and the first (-1: not tracked).
+    Row groups of one file merge by adding counts (:func:`merge_row_group_problems`)."""
+
+    count: int = 0
+    first: int = -1
+    template: str = ""
+    """The message with ``{count}`` and ``{first}`` placeholders."""
+
+
+def _counted(where: str, count: int, first: int, template: str) -> _Counted:
+    message = template.format(count=count, first=first)
+    return _Counted("data", where, message, count, first, template)
+
+
+@dataclass(frozen=True)
+class _Listed(Mismatch):
+    """A mismatch of a value rule: the offending distinct values. Row groups of one file merge
+    by uniting them and rendering the message again (``render``)."""
+
+    values: frozenset[str] = frozenset()
+    render: Callable[[frozenset[str]], str] | None = field(default=None, compare=False)
+    rule: str = ""
+    """Which rule (with ``where``, what merges)."""
+
+
+def _listed(
+    where: str, values: set[str], rule: str, render: Callable[[frozenset[str]], str]
+) -> _Listed:
+    frozen = frozenset(values)
+    return _Listed("data", where, render(frozen), frozen, render, rule)
+
+
+def merge_row_group_problems(chunks: Iterable[tuple[int, list[Mismatch]]]) -> list[Mismatch]:
+    """The mismatches of a table given as those of its row groups (``(first row, mismatches)``
+    each, validated alone): row counts added, first rows made table-wide, offending values
+    united, the rest (schema problems every row group repeats) listed once; in the order each
+    first appeared."""
+    merged: dict[tuple[object, ...], Mismatch] = {}
+    for offset, problems in chunks:
+        for problem in problems:
+            if isinstance(problem, _Counted):
+                key: tuple[object, ...] = ("counted", problem.kind, problem.where, problem.template)
+                first = problem.first + offset if problem.first >= 0 else -1
+                known = merged.get(key)
+                if isinstance(known, _Counted):
+                    count = known.count + problem.count
+                    first = known.first if known.first >= 0 else first
+                    merged[key] = _counted(known.where, count, first, problem.template)
+                else:
+                    merged[key] = _counted(problem.where, problem.count, first, problem.template)
+            elif isinstance(problem, _Listed) and problem.render is not None:
+                key = ("listed", problem.kind, problem.where, problem.rule)
+                known = merged.get(key)
+                values = problem.values | (
+                    known.values if isinstance(known, _Listed) else frozenset()
+                )
+                merged[key] = _listed(problem.where, set(values), problem.rule, problem.render)
+            else:
+                merged.setdefault(("plain", problem), problem)
+    return list(merged.values())
+
+
 def _distinct_strings(column: pa.ChunkedArray) -> set[str]:
     """Distinct non-null values of a string-like column, without decoding every row."""
     seen: set[str] = set()
@@ -145,17 +209,18 @@ def _distinct_strings(column: pa.ChunkedArray) -> set[str]:
 
 
 def _domain(table: pa.Table, column: str, allowed: tuple[str, ...]) -> list[Mismatch]:
-    bad = sorted(_distinct_strings(table.column(column)) - set(allowed))
+    bad = _distinct_strings(table.column(column)) - set(allowed)
     if not bad:
         return []
-    return [
-        Mismatch(
-            "data",
-            f"column {column!r}",
-            f"holds {bad[:5]!r}{' ...' if len(bad) > 5 else ''}; allowed values are "
-            f"{list(allowed)!r}",
+
+    def render(values: frozenset[str]) -> str:
+        shown = sorted(values)
+        return (
+            f"holds {shown[:5]!r}{' ...' if len(shown) > 5 else ''}; allowed values are "
+            f"{list(allowed)!r}"
         )
-    ]
+
+    return [_listed(f"column {column!r}", bad, "domain", render)]
 
 
 def _signal_rule(
@@ -175,16 +240,17 @@ def _signal_rule(
     if found - set(signals.names):
         problems += _domain(table, "signal", signals.names)
     if too_new:
-        added = max(added_in[s] for s in too_new)
-        problems.append(
-            Mismatch(
-                "data",
-                "column 'signal'",
-                f"holds {too_new!r}, signals of contract {SCHEMA_MAJOR}.{added}, but the data "
+
+        def render(values: frozenset[str]) -> str:
+            newer = sorted(values)
+            added = max(added_in[s] for s in newer)
+            return (
+                f"holds {newer!r}, signals of contract {SCHEMA_MAJOR}.{added}, but the data "
                 f"says version {SCHEMA_MAJOR}.{minor}, whose signals are {allowed!r}; write it "
-                f"with schema_version {SCHEMA_MAJOR}.{added} or later",
+                f"with schema_version {SCHEMA_MAJOR}.{added} or later"
             )
-        )
+
+        problems.append(_listed("column 'signal'", set(too_new), "newer signals", render))
     return problems
 
 
@@ -195,10 +261,11 @@ def _negative(table: pa.Table, usable: frozenset[str], columns: tuple[str, ...])
             count, first = _count_and_first(pc.less(table.column(column), 0))
             if count:
                 problems.append(
-                    Mismatch(
-                        "data",
+                    _counted(
                         f"column {column!r}",
-                        f"{count} negative value(s), first at row {first}; it is 0-based",
+                        count,
+                        first,
+                        "{count} negative value(s), first at row {first}; it is 0-based",
                     )
                 )
     return problems
@@ -218,30 +285,41 @@ def _common_rules(
     return problems + _negative(table, usable, _NON_NEGATIVE)
 
 
+def _is_in(column: pa.ChunkedArray, names: tuple[str, ...]) -> pa.ChunkedArray:
+    """Per row: whether the string ``column`` holds one of ``names`` (a dictionary column is
+    tested once per dictionary entry, not once per row)."""
+    chunks = []
+    for chunk in column.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            entries = _is_in(pa.chunked_array([chunk.dictionary]), names).combine_chunks()
+            chunks.append(pc.fill_null(entries.take(chunk.indices), False))
+            continue
+        if not (pa.types.is_string(chunk.type) or pa.types.is_large_string(chunk.type)):
+            chunk = chunk.cast(pa.large_string())  # string_view: is_in has no kernel for it
+        chunks.append(pc.is_in(chunk, value_set=pa.array(names, chunk.type)))
+    return pa.chunked_array(chunks, pa.bool_())
+
+
 def _fraction_rule(table: pa.Table, profile: MetricProfile) -> list[Mismatch]:
     """The values of the profile's fraction metrics lie in ``[0, 1]``."""
     fractions = profile.fractions
     if not fractions:
         return []
-    metric = table.column("metric")
-    if pa.types.is_dictionary(metric.type):
-        metric = metric.cast(metric.type.value_type)
-    if not (pa.types.is_string(metric.type) or pa.types.is_large_string(metric.type)):
-        metric = metric.cast(pa.large_string())  # string_view: is_in has no kernel for it
     value = table.column("value")
     outside = pc.and_(
-        pc.is_in(metric, value_set=pa.array(fractions, metric.type)),
+        _is_in(table.column("metric"), fractions),
         pc.or_(pc.less(value, 0), pc.greater(value, 1)),
     )
     count, first = _count_and_first(pc.fill_null(outside, False))
     if not count:
         return []
     return [
-        Mismatch(
-            "data",
+        _counted(
             "column 'value'",
-            f"{count} value(s) of the fraction metrics {list(fractions)}, first at row {first}, "
-            "lie outside [0, 1]",
+            count,
+            first,
+            f"{{count}} value(s) of the fraction metrics {list(fractions)}, first at row "
+            "{first}, lie outside [0, 1]",
         )
     ]
 
@@ -255,12 +333,16 @@ def _metric_name_rule(table: pa.Table, version: tuple[int, int] | None) -> list[
     minor before the precision metrics may hold any name)."""
     if version is not None and version[1] < PRECISION_MINOR:
         return []
-    names = sorted(_distinct_strings(table.column("metric")))
-    problems = [p for p in map(metric_name_problem, names) if p is not None]
-    if not problems:
+    names = _distinct_strings(table.column("metric"))
+    bad = {name for name in names if metric_name_problem(name) is not None}
+    if not bad:
         return []
-    shown = "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else "")
-    return [Mismatch("data", "column 'metric'", shown)]
+
+    def render(values: frozenset[str]) -> str:
+        problems = [p for p in map(metric_name_problem, sorted(values)) if p is not None]
+        return "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else "")
+
+    return [_listed("column 'metric'", bad, "metric names", render)]
 
 
 def _history_rules(
@@ -281,10 +363,11 @@ def _history_rules(
         count, first = _count_and_first(pc.not_equal(value_null, reason_set))
         if count:
             problems.append(
-                Mismatch(
-                    "data",
+                _counted(
                     "columns 'value'/'unavailable_reason'",
-                    f"{count} row(s), first at row {first}, break the rule that value is null "
+                    count,
+                    first,
+                    "{count} row(s), first at row {first}, break the rule that value is null "
                     "exactly when unavailable_reason is not null",
                 )
             )
@@ -306,10 +389,11 @@ def _histogram_rules(
         count, first = _count_and_first(pc.not_equal(limits, counts))
         if count:
             problems.append(
-                Mismatch(
-                    "data",
+                _counted(
                     "columns 'bucket_limits'/'bucket_counts'",
-                    f"{count} row(s), first at row {first}, have lists of different lengths",
+                    count,
+                    first,
+                    "{count} row(s), first at row {first}, have lists of different lengths",
                 )
             )
     if "num" in usable:
@@ -321,11 +405,12 @@ def _histogram_rules(
                 )
                 if count:
                     problems.append(
-                        Mismatch(
-                            "data",
+                        _counted(
                             f"column {column!r}",
-                            f"{count} row(s), first at row {first}, break the rule that {column} "
-                            "is null exactly when num is 0",
+                            count,
+                            first,
+                            "{count} row(s), first at row {first}, break the rule that "
+                            f"{column} is null exactly when num is 0",
                         )
                     )
         if "bucket_counts" in usable:
@@ -348,10 +433,11 @@ def _bucket_sum_rule(table: pa.Table) -> list[Mismatch]:
     if not bad:
         return []
     return [
-        Mismatch(
-            "data",
+        _counted(
             "columns 'bucket_counts'/'num'",
-            f"{len(bad)} row(s), first at row {bad[0]}, have bucket counts that do not sum to num",
+            len(bad),
+            bad[0],
+            "{count} row(s), first at row {first}, have bucket counts that do not sum to num",
         )
     ]
 
@@ -417,9 +503,8 @@ def _column_problems(
         if table is not None and not expected.nullable:
             nulls = table.column(names.index(expected.name)).null_count
             if nulls:
-                problems.append(
-                    Mismatch("data", where, f"holds {nulls} null(s); the contract says not null")
-                )
+                template = "holds {count} null(s); the contract says not null"
+                problems.append(_counted(where, nulls, -1, template))
     known = set(contract.schema.names)
     for name in dict.fromkeys(names):
         if name in known:
@@ -483,10 +568,11 @@ def _event_rules(
         count, first = _count_and_first(pc.and_(nonfinite, missing))
         if count:
             problems.append(
-                Mismatch(
-                    "data",
+                _counted(
                     "columns 'signal'/'layer'",
-                    f"{count} nonfinite event(s), first at row {first}, name no signal or no "
+                    count,
+                    first,
+                    "{count} nonfinite event(s), first at row {first}, name no signal or no "
                     "first module",
                 )
             )
@@ -498,10 +584,11 @@ def _event_rules(
         count, first = _count_and_first(unequal)
         if count:
             problems.append(
-                Mismatch(
-                    "data",
+                _counted(
                     "columns 'layers'/'tensor_paths'",
-                    f"{count} row(s), first at row {first}, hold lists of different lengths; "
+                    count,
+                    first,
+                    "{count} row(s), first at row {first}, hold lists of different lengths; "
                     "they pair position by position",
                 )
             )
@@ -518,6 +605,32 @@ EVENTS_CONTRACT: Final[Contract] = Contract(
     EVENTS, events_schema("ti-schema"), data_rules=_event_rules
 )
 """``ti.events`` exists from contract 1.3 on; data of an older version has no events table."""
+
+
+def row_group_problems(
+    row_groups: Iterable[pa.Table],
+    contract: Contract,
+    schema: pa.Schema,
+    *,
+    metadata: MetadataSource = None,
+) -> list[Mismatch]:
+    """:func:`problems_for` of a table given one row group at a time (a Parquet file read in
+    bounded memory): each row group is checked alone and the findings merged
+    (:func:`merge_row_group_problems`), so counts and first rows are those of the whole table.
+    ``schema``: the table's (checked alone when there is no row group)."""
+    offset = 0
+    seen = False
+
+    def chunks() -> Iterator[tuple[int, list[Mismatch]]]:
+        nonlocal offset, seen
+        for table in row_groups:
+            seen = True
+            yield offset, problems_for(table, contract, metadata=metadata)
+            offset += table.num_rows
+        if not seen:
+            yield 0, problems_for(schema.empty_table(), contract, metadata=metadata)
+
+    return merge_row_group_problems(chunks())
 
 
 def _raise_problems(

@@ -259,7 +259,23 @@ def _write_final_files(
     histogram_parts = list_parts(directory / HISTOGRAM_PARTS)
     on_part = _part_counter(len(history_parts) + len(histogram_parts), progress)
     producer = _producer(facts)
-    digest = HistoryDigest()
+    with HistoryDigest(sum(parquet_rows(part) for part in history_parts)) as digest:
+        return _write_with_digest(
+            directory, facts, digest, history_parts, histogram_parts, on_part, producer, shown
+        )
+
+
+def _write_with_digest(
+    directory: Path,
+    facts: RunFacts,
+    digest: HistoryDigest,
+    history_parts: list[Path],
+    histogram_parts: list[Path],
+    on_part: Callable[[], None],
+    producer: str,
+    shown: str | None,
+) -> tuple[int, int]:
+    """:func:`_write_final_files` with the digest the history is folded into."""
     # The footer records the window of result.json's window means (a contract 1.1 run fact), so
     # readers of the finalized run (``ti summary``) use the run's window, and the run's latest
     # telemetry cost (1.4), which run.json held until now.
@@ -282,7 +298,7 @@ def _write_final_files(
     events = event_records(write_events_file(directory, producer, FINAL_COMPRESSION))
     text = render(
         facts.layers,
-        digest.aggregated(facts.window),
+        digest.aggregated(facts.window, directory / HISTORY_FILE),
         window=facts.window,
         metrics=facts.metrics,
         events=events,

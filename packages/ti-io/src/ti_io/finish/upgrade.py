@@ -302,7 +302,42 @@ def _upgrade_run(
         producer, window=old.window, upgraded_from=LEGACY_PRODUCER, unrecorded=unrecorded
     )
     run_id = _run_id(files)
-    digest = HistoryDigest()
+    with HistoryDigest(sum(pq.read_metadata(f).num_rows for f in files)) as digest:
+        return _write_upgraded(
+            source,
+            build,
+            final,
+            files,
+            old,
+            interrupted,
+            rank_value,
+            types,
+            unrecorded,
+            schema,
+            run_id,
+            producer,
+            digest,
+            on_rows,
+        )
+
+
+def _write_upgraded(
+    source: Path,
+    build: Path,
+    final: Path,
+    files: list[Path],
+    old: _OldFacts,
+    interrupted: bool,
+    rank_value: int,
+    types: dict[str, str],
+    unrecorded: list[str],
+    schema: pa.Schema,
+    run_id: str,
+    producer: str,
+    digest: HistoryDigest,
+    on_rows: Callable[[int], None],
+) -> UpgradedRun:
+    """The files of :func:`_build` from the converted history, folded into ``digest``."""
     rows = 0
     seen_metrics: set[str] = set()
     build.mkdir(parents=True)
@@ -337,7 +372,8 @@ def _upgrade_run(
             "interrupted": str(interrupted).lower(),
         },
     )
-    text = render(old.catalog, digest.aggregated(old.window), window=old.window, metrics=metrics)
+    aggregated = digest.aggregated(old.window, build / HISTORY_FILE)
+    text = render(old.catalog, aggregated, window=old.window, metrics=metrics)
     publish_text(build / RESULT_FILE, text)
     index = render_index(final.resolve(), facts, digest.facts(None), live=False, events=[])
     publish_text(build / INDEX_FILE, index)

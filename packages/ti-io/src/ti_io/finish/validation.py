@@ -1,24 +1,36 @@
 """``validate_run``: every way a run directory is damaged or breaks the contract (``ti validate``).
 
-Two checks, every problem collected: each Parquet file of the run (final files and parts, of
-every rank) is read whole with its page checksums verified (:mod:`ti_io.integrity`), so a
-truncated file, a footer that does not parse, a page that fails its checksum or cannot be
-decoded is named with what is wrong; then the contract (``ti_schema.artifact_dir_problems``:
-schemas, footers, ranks, result.json, what a run holds). A damaged file is reported once, by the
-first check. Files written without page checksums are read but cannot be verified: one note
-says how many. Parts a consolidation skipped as damaged (``damaged/``) are a note as well.
+Two checks in one read, every problem collected: each Parquet file of the run (final files and
+parts, of every rank) is read a row group at a time with its page checksums verified
+(:mod:`ti_io.integrity`), so a truncated file, a footer that does not parse, a page that fails
+its checksum or cannot be decoded is named with what is wrong; the same row groups are checked
+against the contract (``ti_schema.artifact_dir_problems``: schemas, footers, ranks,
+result.json, what a run holds). Memory holds a row group, whatever the run's length. A damaged
+file is reported once, as damaged. Files written without page checksums are read but cannot be
+verified: one note says how many. Parts a consolidation skipped as damaged (``damaged/``) are a
+note as well.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from ti_io.damaged import gap_lines, parts_dirs, read_skipped
 from ti_io.finish.journal import interrupted_finalizations
-from ti_io.integrity import parquet_problem
+from ti_io.integrity import (
+    DamagedFileError,
+    has_page_checksums,
+    open_verified,
+    parquet_problem,
+    read_error,
+)
 from ti_schema.artifacts import artifact_dir_problems
 from ti_schema.layout import RUN_FILES, list_parts, list_rank_dirs
 
@@ -73,6 +85,24 @@ def _validate_remote(location: RunLocation) -> RunValidation:
     )
 
 
+def _verified_row_groups(path: Path, unverified: list[Path]) -> Iterator[pa.Table]:
+    """Every row group of ``path``, its pages checked against their checksums
+    (``DamagedFileError`` naming what is wrong); ``path`` is added to ``unverified`` when it
+    was written without checksums."""
+    strings = [f.name for f in pq.read_schema(path) if pa.types.is_string(f.type)]
+    source = open_verified(path, read_dictionary=strings)  # repeated strings stay encoded
+    with source:
+        try:
+            if not has_page_checksums(path, source.metadata):
+                unverified.append(path)
+            for index in range(source.metadata.num_row_groups):
+                yield source.read_row_group(index, use_threads=True)
+        except (OSError, pa.ArrowException) as exc:
+            if isinstance(exc, FileNotFoundError | PermissionError):
+                raise
+            raise read_error(path, exc) from None
+
+
 def validate_run(path: str | os.PathLike[str] | RunLocation) -> RunValidation:
     """Check the run (or directory of ``rank-NNN`` runs) at ``path``: every Parquet file read
     whole with page checksums verified, then the contract. Live and interrupted runs are
@@ -94,20 +124,40 @@ def validate_run(path: str | os.PathLike[str] | RunLocation) -> RunValidation:
     runs = [child for _, child in list_rank_dirs(root)] or [root]
     problems: list[str] = []
     notes: list[str] = []
-    damaged: set[Path] = set()
+    damaged: dict[Path, str] = {}
     unverified: list[Path] = []
+    checked: set[Path] = set()
+
+    def read(path: Path) -> Iterator[pa.Table]:
+        # The contract's check reads each file once, a row group at a time: that read verifies
+        # the page checksums too, so every page is read once in all.
+        checked.add(path)
+        try:
+            yield from _verified_row_groups(path, unverified)
+        except DamagedFileError as exc:
+            damaged[path] = exc.problem
+            raise
+        except OSError as exc:
+            damaged[path] = f"it cannot be read ({exc})"
+            raise
+
+    mismatches = artifact_dir_problems(root, allow_live=True, read=read)
     for run in runs:
         for file in _parquet_files(run):
-            problem, checksummed = parquet_problem(file)
-            if problem is not None:
-                damaged.add(file)
-                problems.append(f"{file}: damaged: {problem}")
-            elif not checksummed:
-                unverified.append(file)
+            if file not in checked:  # a file the contract check does not read
+                problem, checksummed = parquet_problem(file)
+                if problem is not None:
+                    damaged[file] = problem
+                elif not checksummed:
+                    unverified.append(file)
         gap = gap_lines(read_skipped(run))
         if gap:
             notes.append(f"{run}: " + "; ".join(gap))
-    for mismatch in artifact_dir_problems(root, allow_live=True):
+    for run in runs:
+        for file in _parquet_files(run):
+            if file in damaged:
+                problems.append(f"{file}: damaged: {damaged[file]}")
+    for mismatch in mismatches:
         if mismatch.path not in damaged:
             problems.append(str(mismatch))
     journal_problems, interrupted = interrupted_finalizations(root)

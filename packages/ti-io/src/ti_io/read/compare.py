@@ -18,21 +18,29 @@ that run (never dropped). Runs of another contract major, or written by torchins
 
 from __future__ import annotations
 
+import fnmatch
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+import numpy as np
+import numpy.typing as npt
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ti_io.facts import read_catalog, read_run_facts
-from ti_io.read.filters import matching_layers, names, row_filter, signal_names
-from ti_io.read.frames import plain_strings
-from ti_io.read.history import scan_history
+from ti_io.read.alignment import Alignment, DuplicateRowError, aligned_statistics
+from ti_io.read.filters import matching_layers, names, signal_names
+from ti_io.read.history import history_files_of
+from ti_io.read.keys import KeyCatalog
 from ti_io.read.legacy_layout import check_not_legacy
 from ti_io.read.ordering import GROUP_KEYS, ordered
+from ti_io.read.row_groups import HistoryFiles, read_row_groups
+from ti_io.read.spill import Partitions, partition_count
 from ti_schema import DEFAULT_METRICS, check_compatible
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_parts, list_rank_dirs
 
@@ -89,19 +97,28 @@ def open_runs(runs: Runs) -> list[ComparedRun]:
                 f"{', ...' if len(ranks) > 4 else ''}); compare one rank's directory, e.g. "
                 f"{directory / ranks[0][1].name}"
             )
-        history = _scan(directory)  # FileNotFoundError naming what is missing
-        samples = history.select(pl.col("sample_id").unique().sort()).collect()
+        files = history_files_of(directory)  # FileNotFoundError naming what is missing
         opened.append(
             ComparedRun(
                 label=label,
                 directory=directory,
-                finalized=(directory / HISTORY_FILE).is_file(),
+                finalized=files.final,
                 contract_version=_contract_version(directory),
-                samples=tuple(samples.get_column("sample_id").to_list()),
+                samples=tuple(_sample_ids(files).tolist()),
                 window=read_run_facts(directory).window,
             )
         )
     return opened
+
+
+def _sample_ids(files: HistoryFiles) -> npt.NDArray[np.int64]:
+    """Every sample id of the history ``files``, ascending (one column read, a row group at a
+    time)."""
+    found = [
+        pc.unique(group.table.column("sample_id")).to_numpy()
+        for group in read_row_groups(files.paths, ["sample_id"])
+    ]
+    return np.unique(np.concatenate(found)) if found else np.array([], dtype=np.int64)
 
 
 def compare_runs(
@@ -144,55 +161,16 @@ def compare_runs(
         raise ValueError(f"onset must be a sample id (an int >= 0), got {onset}")
     opened = open_runs(runs)
     size = _window(window, opened)
-    cells, present, labels = _cells(opened, layer=layer, signal=signal, metric=metric)
-    ordinal = pl.col("sample_id").rank("ordinal", descending=True).over([*KEY, "_run"])
-    # In sample order within each group: the means add up in one order, so the same runs give
-    # the same bits every time.
-    value = pl.col("value").sort_by("sample_id")
-    back = pl.col("_back").sort_by("sample_id")
-    sample = pl.col("sample_id").sort()
-    stats = [
-        pl.len().cast(pl.Int64).alias("samples"),
-        value.count().cast(pl.Int64).alias("measured"),
-        sample.max().alias("latest_sample"),
-        value.last().alias("latest"),
-        value.filter(back <= size).mean().alias("recent_window_mean"),
-        value.filter((back > size) & (back <= 2 * size)).mean().alias("previous_window_mean"),
-    ]
-    if onset is not None:
-        before, after = sample < onset, sample >= onset
-        stats += [
-            value.filter(before).mean().alias("before_mean"),
-            value.filter(after).mean().alias("after_mean"),
-            after.sum().cast(pl.Int64).alias("samples_after"),
-            value.filter(after).count().cast(pl.Int64).alias("measured_after"),
-        ]
-    aggregated = cells.with_columns(ordinal.alias("_back")).group_by([*KEY, "_run"]).agg(stats)
-    table = (
-        present.join(aggregated, on=[*KEY, "_run"], how="left")
-        .with_columns(
-            pl.col("samples").fill_null(0),
-            pl.col("measured").fill_null(0),
-            *(
-                [pl.col("samples_after").fill_null(0), pl.col("measured_after").fill_null(0)]
-                if onset is not None
-                else []
-            ),
-        )
-        .collect()
-    )
-    ratios = {"latest": "latest_ratio", "recent_window_mean": "recent_ratio"}
-    if onset is not None:
-        ratios["after_mean"] = "after_ratio"
-    reference = table.filter(pl.col("_run") == 0).select(
-        *KEY, *(pl.col(stat).alias(f"_ref_{stat}") for stat in ratios)
-    )
-    table = table.join(reference, on=list(KEY), how="left").with_columns(
-        pl.when(pl.col(f"_ref_{stat}") != 0).then(pl.col(stat) / pl.col(f"_ref_{stat}")).alias(name)
-        for stat, name in ratios.items()
-    )
+    ratios = _RATIOS if onset is None else {**_RATIOS, "after_mean": "after_ratio"}
+    with _Partitioned(opened, layer=layer, signal=signal, metric=metric) as partitioned:
+        alignment = Alignment(np.asarray(partitioned.shared, np.int64), len(opened), size, onset)
+        pieces = list(partitioned.statistics(alignment))
+        table = _with_ratios(pl.concat(pieces), ratios)
+        table = partitioned.decoded(table)
     table = _ordered(table, opened).with_columns(
-        pl.col("_run").replace_strict(dict(enumerate(labels)), return_dtype=pl.String).alias("run")
+        pl.col("_run")
+        .replace_strict(dict(enumerate(partitioned.labels)), return_dtype=pl.String)
+        .alias("run")
     )
     onset_columns = (
         ["before_mean", "after_mean", "samples_after", "measured_after"]
@@ -214,6 +192,27 @@ def compare_runs(
     )
 
 
+_RATIOS: Final[dict[str, str]] = {"latest": "latest_ratio", "recent_window_mean": "recent_ratio"}
+
+
+def _with_ratios(table: pl.DataFrame, ratios: dict[str, str]) -> pl.DataFrame:
+    """``table`` with each statistic of ``ratios`` divided by the first run's (null where the
+    first run's value is 0 or missing)."""
+    reference = table.filter(pl.col("_run") == 0).select(
+        "key", *(pl.col(stat).alias(f"_ref_{stat}") for stat in ratios)
+    )
+    return (
+        table.join(reference, on="key", how="left")
+        .with_columns(
+            pl.when(pl.col(f"_ref_{stat}") != 0)
+            .then(pl.col(stat) / pl.col(f"_ref_{stat}"))
+            .alias(name)
+            for stat, name in ratios.items()
+        )
+        .drop(f"_ref_{stat}" for stat in ratios)
+    )
+
+
 def compare_series(
     runs: Runs,
     *,
@@ -231,19 +230,13 @@ def compare_series(
     :func:`compare_runs`.
     """
     opened = open_runs(runs)
-    cells, _, labels = _cells(opened, layer=layer, signal=signal, metric=metric)
-    forwards = pl.concat(
-        [
-            _scan(run.directory)
-            .select("sample_id", "forward_index")
-            .unique(subset="sample_id")
-            .with_columns(pl.lit(i, dtype=pl.Int32).alias("_run"))
-            for i, run in enumerate(opened)
-        ]
-    )
-    series = cells.join(forwards, on=["sample_id", "_run"], how="left").collect()
+    with _Partitioned(opened, layer=layer, signal=signal, metric=metric, forwards=True) as parts:
+        pieces = [cells for cells, _ in parts.partitions()]
+        series = parts.decoded(pl.concat(pieces))
     series = _ordered(series, opened, extra=("sample_id",)).with_columns(
-        pl.col("_run").replace_strict(dict(enumerate(labels)), return_dtype=pl.String).alias("run")
+        pl.col("_run")
+        .replace_strict(dict(enumerate(parts.labels)), return_dtype=pl.String)
+        .alias("run")
     )
     return series.select(*KEY, "run", "sample_id", "forward_index", "value")
 
@@ -298,10 +291,6 @@ def _unique_labels(paths: list[Path]) -> list[str]:
         depth += 1
 
 
-def _scan(directory: Path) -> pl.LazyFrame:
-    return plain_strings(scan_history(directory), check=True)
-
-
 def _contract_version(directory: Path) -> str | None:
     final = directory / HISTORY_FILE
     files = [final] if final.is_file() else list_parts(directory / HISTORY_PARTS)[:1]
@@ -319,109 +308,201 @@ def _window(window: int | None, opened: list[ComparedRun]) -> int:
     return window
 
 
-def _distinct(scans: list[pl.LazyFrame], column: str) -> list[list[str]]:
-    return [
-        scan.select(pl.col(column).unique()).collect().get_column(column).to_list()
-        for scan in scans
+_CELLS: Final[pa.Schema] = pa.schema(
+    [
+        pa.field("key", pa.uint32(), nullable=False),
+        pa.field("_run", pa.int32(), nullable=False),
+        pa.field("sample_id", pa.int64(), nullable=False),
+        pa.field("value", pa.float64()),
     ]
+)
+_READ: Final[list[str]] = [*KEY, "sample_id", "value"]
 
 
-def _filters(
-    opened: list[ComparedRun],
-    scans: list[pl.LazyFrame],
-    *,
-    layer: str | Sequence[str] | None,
-    signal: str | Sequence[str] | None,
-    metric: str | Sequence[str] | None,
-) -> pl.Expr | None:
-    """The row filter for ``layer`` globs, ``signal`` and ``metric`` names, checked against
-    what the runs hold; then that the runs share a layer."""
-    layers_per_run = _distinct(scans, "layer")
-    patterns = names(layer, "layer")
-    matched: list[str] | None = None
-    if patterns is not None:
-        known = sorted({n for layers in layers_per_run for n in layers})
-        matched = matching_layers(known, patterns)
-        if not matched:
+class _Partitioned:
+    """The rows of the compared runs, read once a row group at a time and routed by
+    measurement into partitions (:mod:`ti_io.read.spill`), so each measurement's rows of every
+    run are compared in memory one partition at a time; a context manager (the partitions'
+    files are removed on exit).
+
+    The selection (``layer`` globs, ``signal``, ``metric``) is checked against what the runs
+    hold before anything is aggregated: ``ValueError`` when nothing matches, when the runs
+    share no layer, no measurement or no sample id. ``forwards``: also carry each row's
+    ``forward_index`` (:func:`compare_series`).
+    """
+
+    def __init__(
+        self,
+        opened: list[ComparedRun],
+        *,
+        layer: str | Sequence[str] | None,
+        signal: str | Sequence[str] | None,
+        metric: str | Sequence[str] | None,
+        forwards: bool = False,
+    ) -> None:
+        self.labels = [run.label for run in opened]
+        self._opened = opened
+        self._forwards = forwards
+        patterns = names(layer, "layer")
+        signals = set(signal_names(signal) or ())
+        metrics = set(names(metric, "metric") or ())
+
+        def keep(key: tuple[Any, ...]) -> bool:
+            name, _, signal_name, _, _, _, metric_name = key
+            return (
+                (patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns))
+                and (not signals or signal_name in signals)
+                and (not metrics or metric_name in metrics)
+            )
+
+        self._catalog = KeyCatalog(KEY, keep)
+        files = [history_files_of(run.directory) for run in opened]
+        self._partitions = Partitions(_CELLS, partition_count(sum(f.total_rows for f in files)))
+        self._forward_pairs: list[pl.DataFrame] = []
+        self._held: list[set[int]] = []  # per run: the ids of the measurements it holds
+        for run, history in enumerate(files):
+            self._held.append(self._read(run, history))
+        self._check(patterns, metrics)
+        self.shared = sorted(set.intersection(*(set(run.samples) for run in opened)))
+        if not self.shared:
+            spans = "; ".join(f"{run.label}: {_span(run.samples)}" for run in opened)
+            raise ValueError(f"the runs share no sample id ({spans}); nothing lines up")
+
+    def __enter__(self) -> _Partitioned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._partitions.close()
+
+    def _read(self, run: int, files: HistoryFiles) -> set[int]:
+        held = np.zeros(0, dtype=bool)
+        columns = [*_READ, "forward_index"] if self._forwards else _READ
+        forwards: list[pl.DataFrame] = []
+        for group in read_row_groups(files.paths, columns):
+            ids = self._catalog.ids(group.table.select(list(KEY)))
+            seen = np.bincount(ids, minlength=len(held)) > 0
+            seen[: len(held)] |= held
+            held = seen
+            if self._forwards:
+                pairs = pl.from_arrow(group.table.select(["sample_id", "forward_index"]))
+                assert isinstance(pairs, pl.DataFrame)
+                forwards.append(pairs.unique())
+            mask = self._catalog.kept[ids]
+            if not mask.any():
+                continue
+            chosen = pa.array(mask)
+            arrays = [
+                pa.array(ids[mask]),
+                pa.array(np.full(int(mask.sum()), run, dtype=np.int32)),
+                group.table.column("sample_id").filter(chosen).combine_chunks(),
+                group.table.column("value").filter(chosen).combine_chunks().cast(pa.float64()),
+            ]
+            self._partitions.add(pa.record_batch(arrays, schema=_CELLS))
+        if forwards:
+            # The root forward of each sample of this run (one per sample id).
+            pairs = pl.concat(forwards).unique(subset="sample_id", keep="first")
+            self._forward_pairs.append(
+                pairs.with_columns(pl.lit(run, dtype=pl.Int32).alias("_run"))
+            )
+        return set(np.flatnonzero(held).tolist())
+
+    def _check(self, patterns: list[str] | None, metrics: set[str]) -> None:
+        """The errors of a selection that matches nothing, or of runs that share nothing."""
+        catalog = self._catalog.frame()
+        layers_per_run = [
+            set(catalog.filter(pl.col("key").is_in(sorted(held))).get_column("layer").to_list())
+            for held in self._held
+        ]
+        if patterns is not None:
+            known = sorted(set.union(*layers_per_run))
+            matched = set(matching_layers(known, patterns))
+            if not matched:
+                raise ValueError(
+                    f"layer {patterns} matches no layer of any run; the runs hold {_preview(known)}"
+                )
+            layers_per_run = [layers & matched for layers in layers_per_run]
+        if metrics:
+            held = set(catalog.get_column("metric").to_list())
+            if not held & metrics:
+                raise ValueError(
+                    f"metric {sorted(metrics)} matches no metric of any run; the runs hold "
+                    f"{_preview(sorted(held))}"
+                )
+        if not set.intersection(*layers_per_run):
+            held_by = "; ".join(
+                f"{run.label}: {_preview(sorted(layers))}"
+                for run, layers in zip(self._opened, layers_per_run, strict=True)
+            )
+            raise ValueError(f"the runs share no layer ({held_by}); compare runs of the same model")
+        kept = self._catalog.kept
+        shared = set.intersection(*self._held)
+        if not any(kept[key] for key in shared):
             raise ValueError(
-                f"layer {patterns} matches no layer of any run; the runs hold {_preview(known)}"
+                "the runs share no measurement (layer, call, signal, tensor path, context and "
+                "metric all equal); narrow or widen the filters, or compare runs of the same model"
             )
-        layers_per_run = [[n for n in layers if n in matched] for layers in layers_per_run]
-    signals = signal_names(signal)
-    metrics = names(metric, "metric")
-    if metrics is not None:
-        held = {m for found in _distinct(scans, "metric") for m in found}
-        if not held & set(metrics):
-            raise ValueError(
-                f"metric {metrics} matches no metric of any run; the runs hold "
-                f"{_preview(sorted(held))}"
-            )
-    shared_layers = set.intersection(*(set(layers) for layers in layers_per_run))
-    if not shared_layers:
-        held_by = "; ".join(
-            f"{run.label}: {_preview(sorted(layers))}"
-            for run, layers in zip(opened, layers_per_run, strict=True)
-        )
-        raise ValueError(f"the runs share no layer ({held_by}); compare runs of the same model")
-    return row_filter(layers=matched, signals=signals, metrics=metrics)
 
-
-def _cells(
-    opened: list[ComparedRun],
-    *,
-    layer: str | Sequence[str] | None,
-    signal: str | Sequence[str] | None,
-    metric: str | Sequence[str] | None,
-) -> tuple[pl.LazyFrame, pl.LazyFrame, list[str]]:
-    """The aligned grid (measurement x run x sample, ``value`` null where nothing was written),
-    every (measurement, run) pair with ``in_run``, and the run labels."""
-    scans = [_scan(run.directory) for run in opened]
-    condition = _filters(opened, scans, layer=layer, signal=signal, metric=metric)
-    shared = sorted(set.intersection(*(set(run.samples) for run in opened)))
-    if not shared:
-        spans = "; ".join(f"{run.label}: {_span(run.samples)}" for run in opened)
-        raise ValueError(f"the runs share no sample id ({spans}); nothing lines up")
-    labels = [run.label for run in opened]
-    runs = pl.LazyFrame({"_run": list(range(len(opened)))}, schema={"_run": pl.Int32})
-    frames = []
-    for i, scan in enumerate(scans):
-        if condition is not None:
-            scan = scan.filter(condition)
-        frames.append(
-            scan.select(*KEY, "sample_id", pl.col("value").cast(pl.Float64)).with_columns(
-                pl.lit(i, dtype=pl.Int32).alias("_run")
+    def partitions(self) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
+        """Each partition as (the aligned grid: measurement x run x shared sample at which any
+        run recorded it, ``value`` null where this run wrote nothing; every (measurement, run)
+        pair with ``in_run``). Raises ``ValueError`` when a run holds two rows for one
+        measurement and sample."""
+        runs = pl.DataFrame({"_run": list(range(len(self._opened)))}, schema={"_run": pl.Int32})
+        shared = pl.DataFrame({"sample_id": self.shared}, schema={"sample_id": pl.Int64})
+        for rows in self._partitions.frames():
+            keys = rows.lazy().group_by("key").agg(pl.col("_run").unique().alias("_runs"))
+            present = (
+                keys.join(runs.lazy(), how="cross")
+                .with_columns(pl.col("_runs").list.contains(pl.col("_run")).alias("in_run"))
+                .drop("_runs")
+                .collect()
             )
-        )
-    rows = pl.concat(frames, how="vertical")
-    keys = rows.group_by(list(KEY)).agg(pl.col("_run").unique().alias("_runs"))
-    present = keys.join(runs, how="cross").with_columns(
-        pl.col("_runs").list.contains(pl.col("_run")).alias("in_run")
-    )
-    shared_keys = keys.filter(pl.col("_runs").list.len() == len(opened)).select(pl.len()).collect()
-    if shared_keys.item() == 0:
+            aligned = rows.lazy().join(shared.lazy(), on="sample_id", how="semi")
+            counted = (
+                aligned.group_by("key", "_run", "sample_id")
+                .agg(pl.col("value").first(), pl.len().alias("_n"))
+                .collect()
+            )
+            duplicated = counted.filter(pl.col("_n") > 1).head(1)
+            if duplicated.height:
+                self._refuse_duplicates(duplicated.row(0, named=True))
+            grid = (
+                counted.lazy()
+                .select("key", "sample_id")
+                .unique()
+                .join(runs.lazy(), how="cross")
+                .join(counted.lazy().drop("_n"), on=["key", "_run", "sample_id"], how="left")
+            )
+            if self._forward_pairs:
+                forwards = pl.concat(self._forward_pairs).lazy()
+                grid = grid.join(forwards, on=["sample_id", "_run"], how="left")
+            yield grid.collect(), present
+
+    def statistics(self, alignment: Alignment) -> Iterator[pl.DataFrame]:
+        """:func:`ti_io.read.alignment.aligned_statistics` of each partition (``key``,
+        ``_run``, ``in_run``, the statistics). Raises ``ValueError`` when a run holds two rows
+        for one measurement and sample."""
+        count = self._partitions.count
+        for rows in self._partitions.frames():
+            index = int(rows.item(0, "key")) % count
+            try:
+                yield aligned_statistics(rows, alignment, index, count)
+            except DuplicateRowError as exc:
+                self._refuse_duplicates(
+                    {"key": exc.key, "_run": exc.run, "sample_id": exc.sample_id, "_n": exc.rows}
+                )
+
+    def _refuse_duplicates(self, row: dict[str, Any]) -> None:
+        layer, _, signal, _, _, _, metric = self._catalog.key(int(row["key"]))
         raise ValueError(
-            "the runs share no measurement (layer, call, signal, tensor path, context and metric "
-            "all equal); narrow or widen the filters, or compare runs of the same model"
+            f"run {self.labels[row['_run']]!r} holds {row['_n']} rows for one measurement at "
+            f"sample {row['sample_id']} (layer={layer!r}, signal={signal!r}, metric={metric!r}); "
+            "it mixes several runs: compare one run per directory"
         )
-    aligned = rows.filter(pl.col("sample_id").is_in(shared))
-    counted = aligned.group_by([*KEY, "_run", "sample_id"]).agg(
-        pl.col("value").first(), pl.len().alias("_n")
-    )
-    duplicated = counted.filter(pl.col("_n") > 1).head(1).collect()
-    if duplicated.height:
-        row = duplicated.row(0, named=True)
-        raise ValueError(
-            f"run {labels[row['_run']]!r} holds {row['_n']} rows for one measurement at sample "
-            f"{row['sample_id']} (layer={row['layer']!r}, signal={row['signal']!r}, "
-            f"metric={row['metric']!r}); it mixes several runs: compare one run per directory"
-        )
-    grid = (
-        counted.select(*KEY, "sample_id")
-        .unique()
-        .join(runs, how="cross")
-        .join(counted.drop("_n"), on=[*KEY, "_run", "sample_id"], how="left")
-    )
-    return grid, present.drop("_runs"), labels
+
+    def decoded(self, table: pl.DataFrame) -> pl.DataFrame:
+        """``table`` (with ``key``) with the measurement columns in its place."""
+        return self._catalog.frame().join(table, on="key", how="inner").drop("key")
 
 
 def _ordered(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import polars as pl
 
 from ti_io.integrity import verify_files
+from ti_io.read.row_groups import HistoryFiles, history_files
 from ti_schema import history_schema
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_parts, list_rank_dirs
 
@@ -73,6 +75,7 @@ def scan_history(output_dir: str | os.PathLike[str] | RunLocation) -> pl.LazyFra
         raise FileNotFoundError(
             f"scan_history({str(directory)!r}): no such directory; pass a run's output_dir"
         )
+    _check_holds_history(directory)
     final = directory / HISTORY_FILE
     if final.is_file():
         verify_files([final])
@@ -81,12 +84,28 @@ def scan_history(output_dir: str | os.PathLike[str] | RunLocation) -> pl.LazyFra
     if parts:
         verify_files(parts)
         return pl.scan_parquet([str(p) for p in parts])
-    if (directory / HISTORY_PARTS).is_dir():
-        # A live run that has not published its first part yet: an empty, typed frame.
-        return _empty_history()
+    # A live run that has not published its first part yet: an empty, typed frame.
+    return _empty_history()
+
+
+def _check_holds_history(directory: Path) -> None:
+    """Raise FileNotFoundError saying why when ``directory`` (a local directory) holds no
+    history: rank-private runs beneath it, or nothing."""
+    if (directory / HISTORY_FILE).is_file() or (directory / HISTORY_PARTS).is_dir():
+        return
     ranks = [child.name for _, child in list_rank_dirs(directory)]
     if ranks:
         raise _rank_private(str(directory), ranks, str(directory / ranks[0]))
     raise FileNotFoundError(
         f"{directory} holds no history: neither {HISTORY_FILE} nor {HISTORY_PARTS}/ is there"
     )
+
+
+def history_files_of(directory: Path) -> HistoryFiles:
+    """The history files of the local run ``directory``, as :func:`scan_history` picks them
+    (:func:`ti_io.read.row_groups.history_files`: none yet for a live run that has published
+    no part). Raises FileNotFoundError naming what is missing, as :func:`scan_history` does."""
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such directory; pass a run's output_dir")
+    _check_holds_history(directory)
+    return history_files(directory)

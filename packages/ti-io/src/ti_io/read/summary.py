@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
 from ti_io.facts import read_catalog, read_run_facts
-from ti_io.read.aggregates import AGGREGATES, aggregate
-from ti_io.read.filters import apply, matching_layers, row_filter
-from ti_io.read.history import scan_history
+from ti_io.read.aggregates import AGGREGATES
+from ti_io.read.filters import matching_layers
+from ti_io.read.history import history_files_of
+from ti_io.read.measurements import aggregate_files
 from ti_io.read.ordering import TENSOR_KEYS, ordered
 
 
@@ -36,15 +39,18 @@ def summary_table(
     (:mod:`ti_io.read.ordering`: signals in the contract's order). ``layers`` are
     globs; ``metrics`` and ``signals`` names (empty: all); layer names are unescaped.
 
-    Raises ``ValueError`` when no layer matches ``layers``.
+    The history is read once, a row group at a time (:mod:`ti_io.read.measurements`): memory
+    does not grow with the run's length. Raises ``ValueError`` when no layer matches
+    ``layers``, ``ti_io.DamagedFileError`` naming a damaged file.
     """
     facts = read_run_facts(directory)
-    history = scan_history(directory)
+    files = history_files_of(directory)
     catalog = [info.name for info in facts.layers or read_catalog(directory) or ()]
-    chosen: list[str] | None = None
+    # The run's window: run.json while live, the footer once finalized.
+    table, measured = aggregate_files(files, facts.window, _selection(layers, signals, metrics))
+    seen = list(dict.fromkeys(measured.frame().get_column("layer").to_list()))
     if layers:
-        present = history.select(pl.col("layer").unique()).collect().get_column("layer")
-        known = list(dict.fromkeys([*catalog, *present.to_list()]))
+        known = list(dict.fromkeys([*catalog, *seen]))
         chosen = matching_layers(known, layers)
         if not chosen:
             raise ValueError(
@@ -53,22 +59,10 @@ def summary_table(
                 + (", ..." if len(known) > 8 else "")
             )
         catalog = [name for name in catalog if name in chosen]
-    history = apply(
-        history,
-        row_filter(layers=chosen, signals=list(signals) or None, metrics=list(metrics) or None),
-    )
     keys = [*TENSOR_KEYS, "metric"]
-    latest = history.group_by(keys).agg(
-        pl.col("value").sort_by("sample_id").last().alias("latest"),
-        pl.col("sample_id").max().alias("latest_sample"),
-    )
-    table = (
-        aggregate(history, facts.window)  # the run's window: run.json live, the footer after
-        .join(latest, on=keys, how="left")
-        .select(*keys, "latest_sample", "latest", "observations", "unavailable", *AGGREGATES)
-        .with_columns(pl.lit(True).alias("executed"))
-        .collect()
-    )
+    table = table.select(
+        *keys, "latest_sample", "latest", "observations", "unavailable", *AGGREGATES
+    ).with_columns(pl.lit(True).alias("executed"))
     executed = set(table.get_column("layer").to_list())
     # A finalized run no longer holds run.json: ordered() falls back to the contract's metrics.
     table = ordered(table, layers=catalog, metrics=facts.metrics)
@@ -80,3 +74,22 @@ def summary_table(
         )
         table = pl.concat([table, unexecuted], how="diagonal_relaxed")
     return table
+
+
+def _selection(
+    layers: Sequence[str], signals: Sequence[str], metrics: Sequence[str]
+) -> Callable[[tuple[Any, ...]], bool] | None:
+    """Whether a measurement (its ``GROUP_KEYS`` tuple) is selected; None selects every one."""
+    if not (layers or signals or metrics):
+        return None
+    signal_set, metric_set = set(signals), set(metrics)
+
+    def keep(key: tuple[Any, ...]) -> bool:
+        layer, _, signal, _, _, _, metric = key
+        return (
+            (not layers or any(fnmatch.fnmatchcase(layer, p) for p in layers))
+            and (not signal_set or signal in signal_set)
+            and (not metric_set or metric in metric_set)
+        )
+
+    return keep
