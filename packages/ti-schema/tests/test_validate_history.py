@@ -353,3 +353,45 @@ def test_domains_are_checked_across_chunks_with_different_dictionaries() -> None
     with pytest.raises(SchemaMismatchError, match=r"column 'mode': holds \['predict'\]"):
         validate_history(combined)
     validate_history(pa.concat_tables([good, good]))
+
+
+def test_row_groups_checked_alone_report_what_the_whole_table_does(table: pa.Table) -> None:
+    """``row_group_problems`` (a file read a row group at a time, ``ti validate``) merges the
+    row groups' findings into the whole table's: counts added, first rows table-wide, offending
+    values united, schema problems once."""
+    from ti_schema.validate import HISTORY_CONTRACT, problems_for, row_group_problems
+
+    ranks = table.column("rank").to_pylist()
+    ranks[7] = ranks[40] = ranks[41] = -1
+    signals = table.column("signal").to_pylist()
+    signals[2], signals[50] = "input", "weights"
+    value = table.column("value").to_pylist()
+    reason = table.column("unavailable_reason").to_pylist()
+    available = [i for i, r in enumerate(reason) if r is None]
+    for i in (available[3], available[-1]):
+        reason[i] = "both set"
+    broken = replace_column(table, "rank", table.schema.field("rank"), pa.array(ranks, pa.int32()))
+    broken = replace_column(
+        broken, "signal", table.schema.field("signal"), pa.array(signals, pa.string())
+    )
+    broken = replace_column(
+        broken, "value", table.schema.field("value"), pa.array(value, pa.float64())
+    )
+    broken = replace_column(
+        broken,
+        "unavailable_reason",
+        table.schema.field("unavailable_reason"),
+        pa.array(reason, pa.string()),
+    )
+    broken = broken.append_column("extra", pa.array([1] * broken.num_rows))
+    whole = problems_for(broken, HISTORY_CONTRACT)
+    chunks = [broken.slice(start, 13) for start in range(0, broken.num_rows, 13)]
+    merged = row_group_problems(iter(chunks), HISTORY_CONTRACT, broken.schema)
+    assert sorted(map(str, merged)) == sorted(map(str, whole))
+    text = "\n".join(map(str, merged))
+    assert "column 'rank': 3 negative value(s), first at row 7" in text
+    assert "holds ['input', 'weights']" in text
+    assert f"2 row(s), first at row {available[3]}" in text
+    assert text.count("extra") == 1
+    empty = row_group_problems(iter([]), HISTORY_CONTRACT, table.schema)
+    assert empty == problems_for(table.schema.empty_table(), HISTORY_CONTRACT)

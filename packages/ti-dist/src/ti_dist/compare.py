@@ -20,13 +20,13 @@ Rule for ``standout_ranks``, applied within each row:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import polars as pl
 
-from ti_dist.reading import scan_ranks
-from ti_io.read.filters import apply, names, row_filter, signal_names
-from ti_io.read.frames import PathOrFrame, history_frame
+from ti_dist.partitions import RankPartitions
+from ti_io.read.filters import names, signal_names
+from ti_io.read.frames import PathOrFrame
 from ti_schema import Signal
 
 MAD_TO_STD: Final[float] = 1.4826
@@ -85,10 +85,11 @@ def compare_ranks(
 ) -> pl.DataFrame:
     """A table comparing each measurement across ranks.
 
-    ``source`` is a run's ``output_dir`` (read with :func:`scan_ranks`) or a frame of
-    ``ti.history`` rows. ``layer``, ``signal`` and ``metric`` filter (one name or several).
-    Rows line up by ``layer``, ``call_index``, ``signal``, ``tensor_path``, ``metric`` and
-    ``align_on``: ``sample_id`` matches when every rank samples the same forwards (lockstep
+    ``source`` is a run's ``output_dir`` (every rank's rows, read a range of steps at a time:
+    :class:`~ti_dist.partitions.RankPartitions`) or a frame of ``ti.history`` rows.
+    ``layer``, ``signal`` and ``metric`` filter (one name or several). Rows line up by
+    ``layer``, ``call_index``, ``signal``, ``tensor_path``, ``metric`` and ``align_on``:
+    ``sample_id`` matches when every rank samples the same forwards (lockstep
     training with ``EveryNForwardsSampler`` or ``AlwaysSampler``); use ``forward_index`` when
     ranks sampled on their own clocks (``TimedSampler``) and compare only forwards both sampled.
 
@@ -102,11 +103,34 @@ def compare_ranks(
     error (filter it by ``run_id`` first).
     """
     _validate(threshold, rtol, atol, align_on)
-    condition = row_filter(
-        layers=names(layer, "layer"), signals=signal_names(signal), metrics=names(metric, "metric")
-    )
-    frame = apply(history_frame(source, scan_ranks), condition)
+    layers, metrics = names(layer, "layer"), names(metric, "metric")
+    signals = signal_names(signal)
+
+    def keep(measurement: dict[str, Any]) -> bool:
+        return (
+            (layers is None or measurement["layer"] in layers)
+            and (signals is None or measurement["signal"] in signals)
+            and (metrics is None or measurement["metric"] in metrics)
+        )
+
     key = [*TENSOR_KEY, align_on]
+    with RankPartitions(source, align=align_on, keep=keep) as parts:
+        pieces = [
+            _compared(frame.lazy(), key, threshold, rtol, atol, only_standouts)
+            for frame in parts.frames()
+        ]
+    return pl.concat(pieces).sort(key) if len(pieces) > 1 else pieces[0]
+
+
+def _compared(
+    frame: pl.LazyFrame,
+    key: list[str],
+    threshold: float,
+    rtol: float,
+    atol: float,
+    only_standouts: bool,
+) -> pl.DataFrame:
+    """:func:`compare_ranks`' rows of the steps ``frame`` holds (every rank's rows of them)."""
     rows = frame.select(
         [*key, pl.col("rank").cast(pl.Int32), "run_id", pl.col("value").cast(pl.Float64)]
     )

@@ -26,16 +26,17 @@ or did not write that parameter) is not compared: its ``missing_ranks`` name the
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import polars as pl
 
-from ti_dist.reading import scan_ranks
-from ti_io.read.filters import apply, names, row_filter, signal_names
-from ti_io.read.frames import PathOrFrame, history_frame
+from ti_dist.partitions import RankPartitions
+from ti_io.read.filters import names, signal_names
+from ti_io.read.frames import PathOrFrame
 from ti_schema import DEFAULT_METRICS, PARAMETER_SIGNALS, Signal
 
 DRIFT_KEY: Final[tuple[str, ...]] = ("forward_index", "signal", "layer", "tensor_path", "metric")
@@ -110,76 +111,56 @@ def _refuse_several_runs(rows: pl.DataFrame) -> None:
     )
 
 
-def _rows(
+@contextlib.contextmanager
+def _partitions(
     source: PathOrFrame,
     signals: list[str],
     layers: list[str] | None,
     metrics: list[str] | None,
-) -> tuple[pl.DataFrame, list[int]]:
-    """The selected parameter-signal rows, and every rank of the run (sorted)."""
-    frame = history_frame(source, scan_ranks)
-    run_ranks = (
-        frame.select(pl.col("rank").cast(pl.Int32).unique().sort()).collect()["rank"].to_list()
-    )
-    chosen = apply(frame, row_filter(signals=signals))
-    selected = apply(chosen, row_filter(layers=layers, metrics=metrics))
-    rows = selected.select(
+) -> Iterator[tuple[RankPartitions, list[int]]]:
+    """The selected parameter-signal rows of every rank, a range of forwards at a time
+    (:class:`~ti_dist.partitions.RankPartitions`), and every rank of the run (sorted). Raises
+    the errors of a source that holds nothing to compare."""
+
+    def keep(key: dict[str, Any]) -> bool:
+        return (
+            key["signal"] in signals
+            and (layers is None or key["layer"] in layers)
+            and (metrics is None or key["metric"] in metrics)
+        )
+
+    with RankPartitions(source, align="forward_index", keep=keep) as parts:
+        run_ranks = parts.ranks
+        if not parts.kept_rows:
+            held = parts.measurements().get_column("signal").to_list()
+            if any(signal in signals for signal in held):
+                raise ValueError(
+                    f"no {signals} rows with layer={layers!r} and metric={metrics!r} in "
+                    f"{_where(source)}; pass names the run holds"
+                )
+            raise ValueError(
+                f"no {signals} rows in {_where(source)}: replica drift reads the parameter "
+                'signal; record it with inject_observer(..., signals=("output", '
+                '"output_gradient", "parameter"), rank_policy="all")'
+            )
+        if len(run_ranks) < 2:
+            raise ValueError(
+                f"only rank {run_ranks[0]} wrote history in {_where(source)}: replica drift "
+                'compares ranks; record every rank with inject_observer(..., rank_policy="all")'
+            )
+        yield parts, run_ranks
+
+
+def _drift_table(frame: pl.DataFrame, run_ranks: list[int], only_drift: bool) -> pl.DataFrame:
+    """:func:`replica_drift`'s rows of the forwards ``frame`` holds (every rank's rows of
+    them), sorted."""
+    rows = frame.select(
         *DRIFT_KEY,
         pl.col("rank").cast(pl.Int32),
         "run_id",
         pl.col("value").cast(pl.Float64),
-    ).collect()
-    if not rows.height:
-        if chosen.select(pl.len()).collect().item():
-            raise ValueError(
-                f"no {signals} rows with layer={layers!r} and metric={metrics!r} in "
-                f"{_where(source)}; pass names the run holds"
-            )
-        raise ValueError(
-            f"no {signals} rows in {_where(source)}: replica drift reads the parameter signal; "
-            'record it with inject_observer(..., signals=("output", "output_gradient", '
-            '"parameter"), rank_policy="all")'
-        )
-    if len(run_ranks) < 2:
-        raise ValueError(
-            f"only rank {run_ranks[0]} wrote history in {_where(source)}: replica drift compares "
-            'ranks; record every rank with inject_observer(..., rank_policy="all")'
-        )
+    )
     _refuse_several_runs(rows)
-    return rows, run_ranks
-
-
-def replica_drift(
-    source: PathOrFrame,
-    *,
-    signal: Signal | Sequence[Signal] = "parameter",
-    layer: str | Sequence[str] | None = None,
-    metric: str | Sequence[str] | None = None,
-    only_drift: bool = False,
-) -> pl.DataFrame:
-    """Each parameter's statistics across ranks at each sampled step, and whether they agree.
-
-    ``source`` is a run's ``output_dir`` (every rank's ``rank-NNN/``, read with
-    :func:`~ti_dist.scan_ranks`) or a frame of ``ti.history`` rows of every rank. ``signal`` is
-    one or more of the parameter signals (``parameter``, the default; ``parameter_gradient``
-    and ``parameter_update`` agree under DDP too); ``layer`` and ``metric`` select names.
-
-    One row per ``forward_index``, ``signal``, ``layer``, ``tensor_path`` and ``metric``
-    (sorted so), with: ``n_ranks`` (ranks holding the row); ``agree`` (every rank stored the
-    same value, exactly: the rule in this module's docstring; null when some rank lacks the
-    row); ``differing_ranks`` (ranks whose value is not ``reference``; null when not compared);
-    ``missing_ranks`` (ranks of the run without this row); ``reference`` (the value most ranks
-    hold; a tie: the value the lowest of them holds); ``min``, ``max``, ``spread`` (max - min)
-    over the finite values; ``ranks`` and ``values`` (aligned lists, ordered by rank). The
-    ranks of the run are every rank with rows in ``source``. ``only_drift=True`` keeps the rows
-    whose ``agree`` is false.
-
-    Raises ``ValueError`` when ``source`` holds no rows of ``signal`` (the parameter signals are
-    opt-in: ``inject_observer(..., signals=(..., "parameter"))``), only one rank, or more than
-    one run of a rank (filter by ``run_id``).
-    """
-    signals = signal_names(signal, PARAMETER_SIGNALS) or ["parameter"]
-    rows, run_ranks = _rows(source, signals, names(layer, "layer"), names(metric, "metric"))
     key = list(DRIFT_KEY)
     value = pl.col("value")
     rows = rows.with_columns(
@@ -223,6 +204,64 @@ def replica_drift(
     return table.select(DRIFT_COLUMNS).sort(key)
 
 
+def drift_tables(
+    source: PathOrFrame,
+    *,
+    signal: Signal | Sequence[Signal] = "parameter",
+    layer: str | Sequence[str] | None = None,
+    metric: str | Sequence[str] | None = None,
+    only_drift: bool = False,
+) -> Iterator[pl.DataFrame]:
+    """:func:`replica_drift`'s table a range of forwards at a time, in forward order (their
+    concatenation is the whole table): what a reader of a long all-ranks run iterates instead
+    of holding the table. Same arguments and errors as :func:`replica_drift`, raised before
+    the first piece."""
+    signals = signal_names(signal, PARAMETER_SIGNALS) or ["parameter"]
+    with _partitions(source, signals, names(layer, "layer"), names(metric, "metric")) as (
+        parts,
+        run_ranks,
+    ):
+        pieces = parts.frames()
+        yield from (_drift_table(frame, run_ranks, only_drift) for frame in pieces)
+
+
+def replica_drift(
+    source: PathOrFrame,
+    *,
+    signal: Signal | Sequence[Signal] = "parameter",
+    layer: str | Sequence[str] | None = None,
+    metric: str | Sequence[str] | None = None,
+    only_drift: bool = False,
+) -> pl.DataFrame:
+    """Each parameter's statistics across ranks at each sampled step, and whether they agree.
+
+    ``source`` is a run's ``output_dir`` (every rank's ``rank-NNN/``, read a range of forwards
+    at a time: :class:`~ti_dist.partitions.RankPartitions`) or a frame of ``ti.history`` rows
+    of every rank. ``signal`` is one or more of the parameter signals (``parameter``, the
+    default; ``parameter_gradient`` and ``parameter_update`` agree under DDP too); ``layer``
+    and ``metric`` select names.
+
+    One row per ``forward_index``, ``signal``, ``layer``, ``tensor_path`` and ``metric``
+    (sorted so), with: ``n_ranks`` (ranks holding the row); ``agree`` (every rank stored the
+    same value, exactly: the rule in this module's docstring; null when some rank lacks the
+    row); ``differing_ranks`` (ranks whose value is not ``reference``; null when not compared);
+    ``missing_ranks`` (ranks of the run without this row); ``reference`` (the value most ranks
+    hold; a tie: the value the lowest of them holds); ``min``, ``max``, ``spread`` (max - min)
+    over the finite values; ``ranks`` and ``values`` (aligned lists, ordered by rank). The
+    ranks of the run are every rank with rows in ``source``. ``only_drift=True`` keeps the rows
+    whose ``agree`` is false. The table holds every rank's value of every row it lists: on a
+    long run iterate :func:`drift_tables` (or pass ``only_drift=True``) instead.
+
+    Raises ``ValueError`` when ``source`` holds no rows of ``signal`` (the parameter signals are
+    opt-in: ``inject_observer(..., signals=(..., "parameter"))``), only one rank, or more than
+    one run of a rank (filter by ``run_id``).
+    """
+    pieces = list(
+        drift_tables(source, signal=signal, layer=layer, metric=metric, only_drift=only_drift)
+    )
+    return pl.concat(pieces) if len(pieces) > 1 else pieces[0]
+
+
 def _is_drift_table(source: object) -> bool:
     return isinstance(source, pl.DataFrame) and set(DRIFT_COLUMNS) <= set(source.columns)
 
@@ -245,9 +284,17 @@ def first_drift(
     """
     if _is_drift_table(source):
         assert isinstance(source, pl.DataFrame)
-        table = source
-    else:
-        table = replica_drift(source, signal=signal, layer=layer, metric=metric)
+        return drift_in(source)
+    for table in drift_tables(source, signal=signal, layer=layer, metric=metric):
+        found = drift_in(table)  # forwards in order: the first piece with drift holds it
+        if found is not None:
+            return found
+    return None
+
+
+def drift_in(table: pl.DataFrame) -> Drift | None:
+    """:func:`first_drift` of a :func:`replica_drift` table (or a piece of one that holds
+    whole forwards: one of :func:`drift_tables`)."""
     order = pl.col("signal").replace_strict(
         {name: i for i, name in enumerate(PARAMETER_SIGNALS)}, default=len(PARAMETER_SIGNALS)
     )
@@ -289,4 +336,12 @@ def first_drift(
     )
 
 
-__all__ = ["DRIFT_COLUMNS", "DRIFT_KEY", "Drift", "first_drift", "replica_drift"]
+__all__ = [
+    "DRIFT_COLUMNS",
+    "DRIFT_KEY",
+    "Drift",
+    "drift_in",
+    "drift_tables",
+    "first_drift",
+    "replica_drift",
+]

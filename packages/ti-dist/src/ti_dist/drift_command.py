@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 from ti_schema import PARAMETER_SIGNALS
@@ -104,67 +105,96 @@ def _report_drift(drift: Drift) -> None:
         print(f"{line}differs  {_value(reference)} ({_some_ranks(holders)})  {others}{more}")
 
 
-def _report(table: pl.DataFrame, signals: list[str]) -> int:
-    import polars as pl
+class _Report:
+    """What ``ti drift`` prints, gathered a piece of the replica-drift table at a time
+    (:func:`ti_dist.drift_tables`: whole forwards each, in order), so a long run is never
+    held whole."""
 
-    from ti_dist.drift import first_drift
+    def __init__(self) -> None:
+        self.ranks: set[int] = set()
+        self.partial: dict[int, set[int]] = {}
+        """forward_index -> the ranks missing there (steps not sampled on every rank)."""
+        self.steps = 0
+        self.parameters: set[tuple[str, str, str]] = set()
+        self.drift: Drift | None = None
 
-    ranks = sorted(
-        {r for column in ("ranks", "missing_ranks") for row in table[column] for r in row}
-    )
-    partial = (
-        table.filter(pl.col("agree").is_null())
-        .group_by("forward_index")
-        .agg(pl.col("missing_ranks").explode().drop_nulls().unique().sort())
-        .sort("forward_index")
-    )
-    complete = table.filter(~pl.col("forward_index").is_in(partial["forward_index"].to_list()))
-    steps = complete["forward_index"].n_unique()
-    parameters = complete.select("signal", "layer", "tensor_path").unique().height
-    print(
-        f"ti drift: {len(ranks)} ranks ({_ranks(ranks)}); {steps} steps sampled on every rank; "
-        f"signal {', '.join(signals)}"
-    )
-    if partial.height:
-        named = "; ".join(
-            f"forward_index {row['forward_index']} (missing ranks {_ranks(row['missing_ranks'])})"
-            for row in partial.head(5).iter_rows(named=True)
+    def add(self, table: pl.DataFrame) -> None:
+        import polars as pl
+
+        from ti_dist.drift import drift_in
+
+        for column in ("ranks", "missing_ranks"):
+            self.ranks.update(r for row in table[column] for r in row)
+        partial = (
+            table.filter(pl.col("agree").is_null())
+            .group_by("forward_index")
+            .agg(pl.col("missing_ranks").explode().drop_nulls().unique().sort())
         )
-        more = f" and {partial.height - 5} more" if partial.height > 5 else ""
-        print(f"{partial.height} steps not on every rank, not compared: {named}{more}")
-    drift = first_drift(table)
-    if drift is not None:
-        _report_drift(drift)
-        return DRIFT
-    if not steps:
+        for forward, missing in partial.iter_rows():
+            self.partial.setdefault(int(forward), set()).update(missing)
+        complete = table.filter(~pl.col("forward_index").is_in(list(self.partial)))
+        self.steps += complete["forward_index"].n_unique()
+        self.parameters.update(complete.select("signal", "layer", "tensor_path").unique().rows())
+        if self.drift is None:
+            self.drift = drift_in(table)
+
+    def print(self, signals: list[str]) -> int:
+        ranks = sorted(self.ranks)
         print(
-            "ti drift: no step was sampled on every rank, nothing to compare; sample the same "
-            "forwards on every rank (EveryNForwardsSampler or AlwaysSampler)",
-            file=sys.stderr,
+            f"ti drift: {len(ranks)} ranks ({_ranks(ranks)}); {self.steps} steps sampled on "
+            f"every rank; signal {', '.join(signals)}"
         )
-        return CANNOT_COMPARE
-    print(
-        f"all {len(ranks)} ranks agree exactly on all {parameters} parameters at all {steps} "
-        "steps sampled on every rank"
-    )
-    return AGREE
+        if self.partial:
+            steps = sorted(self.partial)
+            named = "; ".join(
+                f"forward_index {step} (missing ranks {_ranks(sorted(self.partial[step]))})"
+                for step in steps[:5]
+            )
+            more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
+            print(f"{len(steps)} steps not on every rank, not compared: {named}{more}")
+        if self.drift is not None:
+            _report_drift(self.drift)
+            return DRIFT
+        if not self.steps:
+            print(
+                "ti drift: no step was sampled on every rank, nothing to compare; sample the "
+                "same forwards on every rank (EveryNForwardsSampler or AlwaysSampler)",
+                file=sys.stderr,
+            )
+            return CANNOT_COMPARE
+        print(
+            f"all {len(ranks)} ranks agree exactly on all {len(self.parameters)} parameters at "
+            f"all {self.steps} steps sampled on every rank"
+        )
+        return AGREE
 
 
 def run(args: argparse.Namespace) -> int:
-    from ti_dist.drift import replica_drift
-    from ti_io.cli.output import write_machine
+    from ti_dist.drift import drift_tables
+    from ti_io.cli.output import write_machine_pieces
     from ti_io.read.legacy_layout import check_not_legacy
 
     signals = args.signal or ["parameter"]
     try:
         check_not_legacy(args.run_dir, "compared across ranks")
-        table = replica_drift(args.run_dir, signal=signals)
+        pieces = drift_tables(args.run_dir, signal=signals)
+        if args.json:
+            outcome = {"drift": False, "compared": False}
+
+            def watched() -> Iterator[pl.DataFrame]:
+                for table in pieces:
+                    outcome["drift"] |= bool(table.filter(table["agree"].not_()).height)
+                    outcome["compared"] |= bool(table["agree"].is_not_null().any())
+                    yield table
+
+            write_machine_pieces(watched(), "json")
+            if outcome["drift"]:
+                return DRIFT
+            return AGREE if outcome["compared"] else CANNOT_COMPARE
+        report = _Report()
+        for table in pieces:
+            report.add(table)
     except (OSError, ValueError) as exc:  # not a run, no parameter rows, one rank, damaged
         print(f"ti drift: {exc}", file=sys.stderr)
         return CANNOT_COMPARE
-    if args.json:
-        write_machine(table, "json")
-        if table.filter(table["agree"].not_()).height:
-            return DRIFT
-        return AGREE if table["agree"].is_not_null().any() else CANNOT_COMPARE
-    return _report(table, signals)
+    return report.print(signals)

@@ -26,13 +26,14 @@ replicated or several-dimensional placements (``@R``, ``@R,S(0)``) are left alon
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Final
 
 import polars as pl
 
 from ti_dist.compare import AlignOn
-from ti_dist.reading import scan_ranks
-from ti_io.read.frames import PathOrFrame, history_frame
+from ti_dist.partitions import RankPartitions
+from ti_io.read.frames import PathOrFrame
 from ti_schema import DEFAULT_PROFILE, MetricProfile, MetricSpec, profile_of
 
 KEY: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path")
@@ -76,7 +77,8 @@ def combine_shards(
 ) -> pl.DataFrame:
     """Whole-tensor rows of every sharded tensor (``tensor_path`` ending in ``@S(d)``).
 
-    ``source``: a run's ``output_dir`` (read with :func:`~ti_dist.scan_ranks`) or a frame of
+    ``source``: a run's ``output_dir`` (every rank's rows of the sharded tensors, read a range
+    of steps at a time: :class:`~ti_dist.partitions.RankPartitions`) or a frame of
     ``ti.history`` rows of every rank (``rank_policy="all"``). One output row per layer, call,
     signal, tensor path, ``align_on`` value and metric of ``profile`` (the declaration whose
     combination rules apply; default: the default profile and the declared precision metrics
@@ -90,13 +92,43 @@ def combine_shards(
     """
     if align_on not in ("sample_id", "forward_index"):
         raise ValueError(f"align_on must be 'sample_id' or 'forward_index', got {align_on!r}")
-    frame = history_frame(source, scan_ranks)
-    if profile is None:
-        present = frame.select(pl.col("metric").cast(pl.String).unique()).collect()
-        profile = profile_of(present["metric"].to_list())
-    combined = _combined(profile)
-    all_ranks = frame.select(pl.col("rank").unique().sort()).collect()["rank"].to_list()
+    shard = re.compile(SHARD_PATH)
+
+    def keep(measurement: dict[str, Any]) -> bool:
+        return bool(shard.match(measurement["tensor_path"] or ""))
+
     key = [*KEY, align_on]
+    with RankPartitions(source, align=align_on, keep=keep, extra=("shape",)) as parts:
+        if profile is None:
+            profile = profile_of(parts.metrics)
+        chosen = profile
+        rows = [
+            row
+            for frame in parts.frames()
+            for row in _combined_rows(frame.lazy(), key, parts.ranks, chosen)
+        ]
+    schema: dict[str, Any] = {
+        "layer": pl.String,
+        "call_index": pl.Int32,
+        "signal": pl.String,
+        "tensor_path": pl.String,
+        align_on: pl.Int64,
+        "parameter": pl.String,
+        "shape": pl.List(pl.Int64),
+        "n_ranks": pl.Int64,
+        "ranks": pl.List(pl.Int32),
+        "metric": pl.String,
+        "value": pl.Float64,
+        "unavailable_reason": pl.String,
+    }
+    return pl.DataFrame(rows, schema=schema, orient="row").sort([*key, "metric"])
+
+
+def _combined_rows(
+    frame: pl.LazyFrame, key: list[str], all_ranks: list[int], profile: MetricProfile
+) -> list[dict[str, Any]]:
+    """The whole-tensor rows of the steps ``frame`` holds (every rank's rows of them)."""
+    combined = _combined(profile)
     sharded = frame.filter(pl.col("tensor_path").str.contains(SHARD_PATH)).with_columns(
         pl.col("tensor_path").str.extract(SHARD_PATH, 1).alias("parameter"),
         pl.col("tensor_path").str.extract(SHARD_PATH, 2).cast(pl.Int64).alias("_dim"),
@@ -126,26 +158,11 @@ def combine_shards(
         )
         .collect()
     )
-    rows = [
+    return [
         row
         for group in grouped.iter_rows(named=True)
         for row in _combine(group, key, all_ranks, profile)
     ]
-    schema: dict[str, Any] = {
-        "layer": pl.String,
-        "call_index": pl.Int32,
-        "signal": pl.String,
-        "tensor_path": pl.String,
-        align_on: pl.Int64,
-        "parameter": pl.String,
-        "shape": pl.List(pl.Int64),
-        "n_ranks": pl.Int64,
-        "ranks": pl.List(pl.Int32),
-        "metric": pl.String,
-        "value": pl.Float64,
-        "unavailable_reason": pl.String,
-    }
-    return pl.DataFrame(rows, schema=schema, orient="row").sort([*key, "metric"])
 
 
 def _whole_shape(shapes: list[list[int]], dim: int) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterable
 from typing import Any, Final
 
 import polars as pl
@@ -45,11 +46,26 @@ def without_constant_context(table: pl.DataFrame) -> pl.DataFrame:
 
 def write_machine(table: pl.DataFrame, fmt: str) -> None:
     """``table`` as CSV or strict JSON (an array of objects; NaN and infinity as null)."""
-    if fmt == "csv":
-        sys.stdout.write(table.write_csv())
-        return
-    rows = [{k: _strict(v) for k, v in row.items()} for row in table.iter_rows(named=True)]
-    sys.stdout.write(json.dumps(rows, ensure_ascii=False, allow_nan=False) + "\n")
+    write_machine_pieces([table], fmt)
+
+
+def write_machine_pieces(pieces: Iterable[pl.DataFrame], fmt: str) -> None:
+    """The concatenation of ``pieces`` (one schema) as :func:`write_machine` writes one table,
+    a piece at a time: a long table is never held whole."""
+    first = True
+    for table in pieces:
+        if fmt == "csv":
+            sys.stdout.write(table.write_csv(include_header=first))
+        else:
+            rows = [{k: _strict(v) for k, v in row.items()} for row in table.iter_rows(named=True)]
+            text = json.dumps(rows, ensure_ascii=False, allow_nan=False)[1:-1]
+            if text:
+                sys.stdout.write(("[" if first else ", ") + text)
+            elif first:
+                sys.stdout.write("[")
+        first = False
+    if fmt != "csv":
+        sys.stdout.write(("[" if first else "") + "]\n")
 
 
 def _strict(value: Any) -> Any:

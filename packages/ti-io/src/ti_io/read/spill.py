@@ -16,28 +16,56 @@ A history short enough for one partition stays in memory and nothing is written.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
+import numpy.typing as npt
 import polars as pl
 import pyarrow as pa
 
 PARTITION_ROWS: Final[int] = 4_000_000
-"""Rows per partition aimed at: one partition in memory with its aggregation stays near
-300 MB (benchmarks/reading.py measures it)."""
+"""Rows per partition aimed at by default: one partition in memory with its aggregation stays
+near 300 MB (benchmarks/reading.py measures it)."""
+PARTITION_ROWS_VARIABLE: Final[str] = "TI_IO_PARTITION_ROWS"
+"""The environment variable that overrides :data:`PARTITION_ROWS` (a machine with little
+memory lowers it; more, smaller partitions cost a little time)."""
+MIN_PARTITION_ROWS: Final[int] = 1_000
+
+
+def partition_rows() -> int:
+    """Rows per partition: :data:`PARTITION_ROWS_VARIABLE` when set, else
+    :data:`PARTITION_ROWS`. Raises ValueError naming the variable for a value that is not a
+    whole number >= :data:`MIN_PARTITION_ROWS`."""
+    text = os.environ.get(PARTITION_ROWS_VARIABLE, "").strip()
+    if not text:
+        return PARTITION_ROWS
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < MIN_PARTITION_ROWS:
+        raise ValueError(
+            f"{PARTITION_ROWS_VARIABLE}={text!r}: rows per partition must be a whole number >= "
+            f"{MIN_PARTITION_ROWS}, e.g. {PARTITION_ROWS_VARIABLE}=1000000 (or unset it)"
+        )
+    return value
+
+
 BUFFER_BYTES: Final[int] = 32 << 20
 """Rows waiting to be written, across all partitions, are flushed before they take more."""
 MIN_BUFFER_ROWS: Final[int] = 4096
 
 
-def partition_count(rows: int, partition_rows: int = PARTITION_ROWS) -> int:
-    """The partitions for a history of ``rows`` rows (at least one)."""
-    return max(1, -(-rows // partition_rows))
+def partition_count(rows: int) -> int:
+    """The partitions for a history of ``rows`` rows (at least one; :func:`partition_rows`
+    each)."""
+    return max(1, -(-rows // partition_rows()))
 
 
 class Partitions:
@@ -61,7 +89,7 @@ class Partitions:
         self._buffered = [0] * self._count
         self._written: set[int] = set()
         self._writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
-        row_bytes = sum(max(f.type.bit_width // 8, 1) for f in schema)
+        row_bytes = sum(_width(f.type) for f in schema)
         self._flush_rows = max(MIN_BUFFER_ROWS, BUFFER_BYTES // (row_bytes * self._count))
         self.rows = 0
 
@@ -94,8 +122,10 @@ class Partitions:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
 
-    def add(self, batch: pa.RecordBatch) -> None:
-        """Rows of the schema (``batch.column(0)``: their measurement ids)."""
+    def add(self, batch: pa.RecordBatch, parts: npt.NDArray[np.integer[Any]] | None = None) -> None:
+        """Rows of the schema (``batch.column(0)``: their measurement ids), each to partition
+        ``key % count``, or to ``parts[i]`` when given (a reader that partitions by something
+        else, such as ranges of sample ids)."""
         rows = batch.num_rows
         if not rows:
             return
@@ -103,8 +133,9 @@ class Partitions:
         if self._count == 1:
             self._buffers[0].append(batch)
             return
-        keys = batch.column(0).to_numpy()
-        part = (keys % self._count).astype(np.uint16 if self._count < 1 << 16 else np.uint32)
+        if parts is None:
+            parts = batch.column(0).to_numpy() % self._count
+        part = parts.astype(np.uint16 if self._count < 1 << 16 else np.uint32)
         order = np.argsort(part, kind="stable")
         bounds = np.concatenate(([0], np.cumsum(np.bincount(part, minlength=self._count))))
         ordered = batch.take(pa.array(order))
@@ -158,10 +189,24 @@ class Partitions:
             del table
 
 
+def _width(kind: pa.DataType) -> int:
+    """Bytes a value of ``kind`` takes about (a list or string: a guess of 32)."""
+    try:
+        return max(int(kind.bit_width) // 8, 1)
+    except ValueError:  # not a fixed-width type
+        return 32
+
+
 def _frame(table: pa.Table) -> pl.DataFrame:
     frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)
     return frame
 
 
-__all__ = ["PARTITION_ROWS", "Partitions", "partition_count"]
+__all__ = [
+    "PARTITION_ROWS",
+    "PARTITION_ROWS_VARIABLE",
+    "Partitions",
+    "partition_count",
+    "partition_rows",
+]

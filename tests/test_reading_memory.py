@@ -1,0 +1,130 @@
+"""Readers in bounded memory (docs/reading-at-scale.md): the peak RSS of ``ti summary``,
+``ti compare``, ``ti validate`` and ``ti consolidate`` does not grow with the history.
+
+Each command runs in its own process on a run and on one twice as long (written by the
+project's ``DirectorySink``), with partitions of 200,000 rows (``TI_IO_PARTITION_ROWS``) so
+that both lengths span several; the process's peak RSS comes from ``os.wait4``. Before the
+bounded readers every one of these grew with the history (about 370 bytes a row for
+``ti summary``: 1.7x here); a ratio over 1.2 fails. The figures at scale (21.6M and 216M rows,
+beside DuckDB) are benchmarks/reading.py's, in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ti_io import DirectorySink, HistoryConfig
+from ti_io.read.spill import PARTITION_ROWS_VARIABLE
+from ti_schema import DEFAULT_METRICS, LayerInfo, RunInfo, history_schema
+
+pytestmark = pytest.mark.slow
+
+LAYERS = [f"blocks.{i}" for i in range(50)]
+ROWS = 1_200_000
+BOUND = 1.2
+
+
+def _batch(sample: int, rng: np.random.Generator) -> pa.RecordBatch:
+    keys = [(layer, signal) for signal in ("output", "output_gradient") for layer in LAYERS]
+    n = len(keys) * len(DEFAULT_METRICS)
+    columns = {
+        "run_id": pa.array(["r"] * n),
+        "rank": pa.array(np.zeros(n, np.int32)),
+        "sample_id": pa.array(np.full(n, sample, np.int64)),
+        "forward_index": pa.array(np.full(n, sample, np.int64)),
+        "timestamp": pa.array([datetime(2026, 1, 1, tzinfo=UTC)] * n, pa.timestamp("us", "UTC")),
+        "layer": pa.array([layer for layer, _ in keys for _ in DEFAULT_METRICS]),
+        "module_type": pa.array(["Linear"] * n),
+        "call_index": pa.array(np.zeros(n, np.int32)),
+        "signal": pa.array([signal for _, signal in keys for _ in DEFAULT_METRICS]),
+        "tensor_path": pa.array([""] * n),
+        "mode": pa.array(["train"] * n),
+        "grad_enabled": pa.array(np.ones(n, bool)),
+        "shape": pa.array([[32, 64]] * n, pa.list_(pa.int64())),
+        "dtype": pa.array(["float32"] * n),
+        "metric": pa.array(list(DEFAULT_METRICS) * len(keys)),
+        "value": pa.array(rng.normal(size=n)),
+        "unavailable_reason": pa.array([None] * n, pa.string()),
+    }
+    return pa.RecordBatch.from_arrays(list(columns.values()), schema=history_schema("test"))
+
+
+def _build(root: Path, rows: int) -> tuple[Path, Path]:
+    """A finalized run of ``rows`` rows and a killed copy of it (its parts only)."""
+    run, killed = root / "run", root / "killed"
+    info = RunInfo(
+        run_id="r",
+        rank=0,
+        world_size=1,
+        producer="test",
+        started_at=datetime(2026, 1, 1, tzinfo=UTC),
+        layers=tuple(LayerInfo(name, "Linear") for name in LAYERS),
+        focus_layers=(),
+        metrics=DEFAULT_METRICS,
+        sampler="AlwaysSampler()",
+    )
+    sink = DirectorySink(run, history_config=HistoryConfig())
+    sink.open(info)
+    rng = np.random.default_rng(0)
+    per_sample = 2 * len(LAYERS) * len(DEFAULT_METRICS)
+    for sample in range(rows // per_sample):
+        sink.write_history(_batch(sample, rng))
+    sink.flush()
+    shutil.copytree(run, killed, copy_function=os.link)
+    sink.close()
+    return run, killed
+
+
+# Linux keeps a process's peak RSS across exec, so a command forked from this (large) test
+# process would report this process's size: a small launcher forks it instead and reports its
+# peak from wait4.
+LAUNCHER = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(child.pid, 0)
+print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)
+"""
+
+
+def _peak_mb(*args: str) -> float:
+    """The peak RSS (MB) of ``ti ARGS`` run in its own process."""
+    environment = {**os.environ, PARTITION_ROWS_VARIABLE: "200000"}
+    code = "import sys; from ti_io.cli import main; sys.exit(main())"
+    done = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        check=True,
+    )
+    status, peak_kb = done.stdout.split()
+    assert status == "0", done.stderr
+    return int(peak_kb) / 1024
+
+
+def test_readers_peak_memory_does_not_grow_with_the_history(tmp_path: Path) -> None:
+    peaks: dict[str, list[float]] = {}
+    for rows in (ROWS, 2 * ROWS):
+        run, killed = _build(tmp_path / str(rows), rows)
+        copy = tmp_path / f"{rows}-copy"
+        shutil.copytree(run, copy, copy_function=os.link)
+        for name, args in {
+            "summary": ("summary", str(run), "--csv"),
+            "compare": ("compare", str(run), str(copy), "--csv"),
+            "validate": ("validate", str(run)),
+            "consolidate": ("consolidate", str(killed), "--force", "--no-progress"),
+        }.items():
+            peaks.setdefault(name, []).append(_peak_mb(*args))
+        shutil.rmtree(tmp_path / str(rows))
+        shutil.rmtree(copy)
+    grown = {name: long / short for name, (short, long) in peaks.items()}
+    assert all(ratio <= BOUND for ratio in grown.values()), (grown, peaks)
