@@ -375,6 +375,23 @@ def test_a_bucket_that_does_not_exist_fails_at_attach(s3: S3Store) -> None:
     assert "bucket does not exist" in str(error)
 
 
+def test_a_uri_with_credentials_is_refused_at_attach_without_repeating_them() -> None:
+    """``output_dir="s3://KEY:SECRET@bucket/run"``: refused before the model is touched, and
+    neither the key nor the secret appears in the message."""
+    from ti_io import CredentialsInURIError
+
+    secret = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYzEXAMPLEKEY"
+    model = _model()
+    with pytest.raises(CredentialsInURIError) as caught:
+        inject_observer(model, output_dir=f"s3://AKIAEXAMPLE:{secret}@bucket/run")
+    assert not has_observer(model)
+    text = str(caught.value)
+    assert secret not in text
+    assert "AKIAEXAMPLE" not in text
+    assert "pass s3://bucket/run" in text
+    _train(model, 1)
+
+
 def test_wrong_credentials_fail_at_attach(s3: S3Store, moto_auth: object) -> None:
     error = _attach_error(s3.uri("run"))
     assert s3.uri("run") in str(error)

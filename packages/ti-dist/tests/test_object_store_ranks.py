@@ -82,3 +82,27 @@ def test_scan_ranks_lists_hundreds_of_rank_prefixes_in_a_few_calls(
 def test_scan_ranks_names_the_uri_it_cannot_read(s3: Any) -> None:
     with pytest.raises(FileNotFoundError, match=f"{s3.uri('none')}: no run there"):
         scan_ranks(s3.uri("none"))
+
+
+def test_cross_rank_readers_read_a_run_on_the_store_as_on_disk(
+    tmp_path: Path,
+    s3: Any,
+    rows_for: Callable[..., list[dict[str, object]]],
+    write: Callable[..., pa.Table],
+) -> None:
+    """compare_ranks, replica_drift and ``ti drift`` take the run's URI (its objects read
+    into a private copy, never written) and give what they give for the same run on disk."""
+    from ti_dist import compare_ranks, replica_drift
+    from ti_io.cli import main
+
+    local = tmp_path / "job"
+    for rank in range(3):
+        values = [float(s) + (0.5 if rank == 2 and s >= 2 else 0.0) for s in range(4)]
+        rows = rows_for(rank, values, signal="parameter", layer="fc")
+        write(local / rank_dir_name(rank) / "history.parquet", rows)
+    s3.upload(local, "job")
+    before = len(s3.requests())
+    assert compare_ranks(s3.uri("job")).equals(compare_ranks(local))
+    assert replica_drift(s3.uri("job")).equals(replica_drift(local))
+    assert main(["drift", s3.uri("job")]) == main(["drift", str(local)]) == 1
+    assert [r for r in s3.requests()[before:] if r.is_write] == []

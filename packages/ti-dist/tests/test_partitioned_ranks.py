@@ -6,6 +6,7 @@ give read whole from a frame, and ``ti drift`` prints the same report."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import io
 import itertools
 from collections.abc import Callable
@@ -161,3 +162,50 @@ def test_ti_drift_reports_the_same_in_partitions(
     assert whole[0] == 1
     assert f"replicas differ at forward_index {DRIFT_FROM}" in whole[1]
     assert f"{STEPS} steps sampled on every rank" in whole[1]
+
+
+@pytest.mark.parametrize("finalized", [True, False])
+def test_a_rank_directory_missing_from_an_all_ranks_run_is_named(
+    tmp_path: Path, finalized: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that recorded every rank (``rank_policy="all"``: run.json while live, index.md
+    once finalized) with a rank directory missing is refused, naming it and what to do,
+    instead of being compared without it."""
+    from ti_io import DirectorySink
+    from ti_schema import LayerInfo, RunInfo
+
+    for rank in range(RANKS):
+        info = RunInfo(
+            run_id=f"run-{rank}",
+            rank=rank,
+            world_size=RANKS,
+            producer="test",
+            started_at=datetime(2026, 1, 1, tzinfo=UTC),
+            layers=(LayerInfo("fc", "Linear"),),
+            focus_layers=(),
+            metrics=("mean",),
+            sampler="AlwaysSampler()",
+            settings={"rank_policy": "'all'"},
+        )
+        sink = DirectorySink(tmp_path / f"rank-{rank:03d}")
+        sink.open(info)
+        rows = [r for r in _rows(rank) if r["metric"] == "mean" and r["layer"] == "fc"]
+        sink.write_history(pa.Table.from_pylist(rows, schema=_schema()).to_batches()[0])
+        if finalized:
+            sink.close()
+        else:
+            sink._flush_at_exit()  # what the interpreter-exit hook does: parts, no finalization
+    assert compare_ranks(tmp_path).height  # every rank is there: read as usual
+    shutil.rmtree(tmp_path / "rank-001")
+    with pytest.raises(FileNotFoundError, match=r"rank-001/ is missing"):
+        compare_ranks(tmp_path)
+    assert main(["drift", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "world of 3 (rank_policy 'all'), but rank-001/ is missing" in err
+    assert "Copy them in" in err
+
+
+def _schema() -> pa.Schema:
+    from ti_schema import history_schema
+
+    return history_schema("test")

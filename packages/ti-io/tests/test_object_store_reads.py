@@ -214,3 +214,43 @@ def test_upgrade_reads_a_0_8_0_run_from_the_store_and_publishes_the_new_one_ther
     code, _, err = _cli(capsys, "upgrade", "--no-progress", old_uri, new_uri)  # occupied
     assert code == 1
     assert f"{new_uri} already holds objects" in err
+
+
+SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYzEXAMPLEKEY"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("summary", "{uri}"),
+        ("validate", "{uri}"),
+        ("compare", "{uri}", "{uri}2"),
+        ("consolidate", "{uri}"),
+        ("upgrade", "{uri}", "{uri}-new"),
+    ],
+)
+def test_a_uri_with_credentials_is_refused_without_repeating_them(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
+) -> None:
+    """``s3://KEY:SECRET@bucket/run`` (a form pyarrow accepts): one line saying what to do
+    instead, naming the run without the key or the secret; nothing is contacted."""
+    uri = f"s3://AKIAEXAMPLE:{SECRET}@bucket/prefix/run"
+    code, out, err = _cli(capsys, *(part.format(uri=uri) for part in argv))
+    assert code != 0
+    assert SECRET not in out + err
+    assert "AKIAEXAMPLE" not in out + err
+    assert "s3://***@bucket/prefix/run: the URI holds credentials" in err
+    assert "pass s3://bucket/prefix/run" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_resolve_location_refuses_credentials_of_any_scheme() -> None:
+    from ti_io import CredentialsInURIError, resolve_location
+
+    for uri in (f"s3://key:{SECRET}@b/r", f"gs://user:{SECRET}@b/r?x=1", f"s3://{SECRET}@b"):
+        with pytest.raises(CredentialsInURIError) as caught:
+            resolve_location(uri)
+        assert SECRET not in str(caught.value)
+        assert caught.value.__cause__ is None
+        assert caught.value.__context__ is None
+    assert resolve_location("s3://bucket/run@2026-12-06", None).path == "bucket/run@2026-12-06"

@@ -35,6 +35,7 @@ from typing import Any, Final
 import polars as pl
 
 from ti_dist.partitions import RankPartitions
+from ti_io.progress import ProgressCallback
 from ti_io.read.filters import names, signal_names
 from ti_io.read.frames import PathOrFrame
 from ti_schema import DEFAULT_METRICS, PARAMETER_SIGNALS, Signal
@@ -117,6 +118,7 @@ def _partitions(
     signals: list[str],
     layers: list[str] | None,
     metrics: list[str] | None,
+    progress: ProgressCallback | None = None,
 ) -> Iterator[tuple[RankPartitions, list[int]]]:
     """The selected parameter-signal rows of every rank, a range of forwards at a time
     (:class:`~ti_dist.partitions.RankPartitions`), and every rank of the run (sorted). Raises
@@ -129,7 +131,7 @@ def _partitions(
             and (metrics is None or key["metric"] in metrics)
         )
 
-    with RankPartitions(source, align="forward_index", keep=keep) as parts:
+    with RankPartitions(source, align="forward_index", keep=keep, progress=progress) as parts:
         run_ranks = parts.ranks
         if not parts.kept_rows:
             held = parts.measurements().get_column("signal").to_list()
@@ -211,6 +213,7 @@ def drift_tables(
     layer: str | Sequence[str] | None = None,
     metric: str | Sequence[str] | None = None,
     only_drift: bool = False,
+    progress: ProgressCallback | None = None,
 ) -> Iterator[pl.DataFrame]:
     """:func:`replica_drift`'s table a range of forwards at a time, in forward order (their
     concatenation is the whole table): what a reader of a long all-ranks run iterates instead

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Final
 
 from ti_schema import PARAMETER_SIGNALS
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
     from ti_dist.drift import Drift
     from ti_io.cli.options import Commands
+    from ti_io.progress import ProgressCallback
+    from ti_schema import Signal
 
 DESCRIPTION: Final[str] = """\
 Read the parameter signal of every rank of an all-ranks run (its rank-NNN/ folders) and print
@@ -62,6 +64,9 @@ def add_parser(commands: Commands) -> None:
         help="write the whole replica_drift table as a JSON array of objects to stdout, nothing "
         "else (the exit status is the same)",
     )
+    from ti_io.cli.options import progress_flag
+
+    progress_flag(drift)
     drift.set_defaults(run=run, paths=("run_dir",))
 
 
@@ -138,7 +143,7 @@ class _Report:
         if self.drift is None:
             self.drift = drift_in(table)
 
-    def print(self, signals: list[str]) -> int:
+    def print(self, signals: Sequence[str]) -> int:
         ranks = sorted(self.ranks)
         print(
             f"ti drift: {len(ranks)} ranks ({_ranks(ranks)}); {self.steps} steps sampled on "
@@ -170,14 +175,21 @@ class _Report:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ti_io.progress import TerminalProgress
+
+    signals = args.signal or ["parameter"]
+    with TerminalProgress("drift", "rows", enabled=args.progress) as progress:
+        return _run(args, signals, progress)
+
+
+def _run(args: argparse.Namespace, signals: list[Signal], progress: ProgressCallback) -> int:
     from ti_dist.drift import drift_tables
     from ti_io.cli.output import write_machine_pieces
     from ti_io.read.legacy_layout import check_not_legacy
 
-    signals = args.signal or ["parameter"]
     try:
         check_not_legacy(args.run_dir, "compared across ranks")
-        pieces = drift_tables(args.run_dir, signal=signals)
+        pieces = drift_tables(args.run_dir, signal=signals, progress=progress)
         if args.json:
             outcome = {"drift": False, "compared": False}
 

@@ -27,11 +27,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ti_dist.reading import find_history_sources
+from ti_io.facts import EVERY_RANK_POLICIES, recorded_world
+from ti_io.integrity import read_footer
+from ti_io.progress import ProgressCallback, Steps
 from ti_io.read.frames import PathOrFrame, history_frame, plain_strings
 from ti_io.read.keys import KeyCatalog
-from ti_io.read.row_groups import read_row_groups
+from ti_io.read.row_groups import check_contract, read_row_groups
 from ti_io.read.spill import Partitions, partition_count
-from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS
+from ti_io.storage import RunLocation
+from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_rank_dirs, rank_dir_name
 
 KEYS: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path", "metric", "run_id")
 """The string and integer columns a row's measurement id stands for."""
@@ -45,10 +49,14 @@ class RankPartitions:
     ``forward_index``); a context manager (partition files are removed on exit).
 
     ``source``: a run's ``output_dir`` (every ``rank-NNN/``, finalized or live, as
-    :func:`~ti_dist.scan_ranks` reads it) or a frame of ``ti.history`` rows. ``keep``: which
+    :func:`~ti_dist.scan_ranks` reads it; on object storage, a URI or ``RunLocation``: its
+    objects are copied into a private temporary directory first) or a frame of ``ti.history``
+    rows. ``keep``: which
     measurements are read. ``extra``: further columns each frame carries (``shape``...).
     Frames have ``KEYS``, ``align``, ``rank``, ``value`` and ``extra``. :attr:`ranks` are every
     rank with rows in ``source``, kept or not; :attr:`metrics` every metric name.
+    ``progress(done, total)`` is told the rows read, then the rows of each partition handed out
+    (total: twice the rows).
     """
 
     def __init__(
@@ -58,8 +66,11 @@ class RankPartitions:
         align: str,
         keep: Keep | None = None,
         extra: Sequence[str] = (),
+        progress: ProgressCallback | None = None,
     ) -> None:
         self._align = align
+        self._progress = progress
+        self._steps = Steps(None, 0)
         self._extra = tuple(extra)
         self._frame: pl.LazyFrame | None = None
         self._partitions: Partitions | None = None
@@ -70,12 +81,21 @@ class RankPartitions:
         self.kept_rows = 0
         """Rows of the kept measurements."""
         if isinstance(source, pl.DataFrame | pl.LazyFrame) or not isinstance(
-            source, str | os.PathLike
+            source, str | os.PathLike | RunLocation
         ):
             self._read_frame(source, keep)
             return
         self._catalog = KeyCatalog(KEYS, None if keep is None else _by_name(keep))
-        self._read(Path(source))
+        from ti_io.read.remote import local_copy, local_path, remote_location
+
+        remote = remote_location(source)
+        if remote is None:
+            self._read(local_path(source))
+            return
+        # A run on object storage: its objects are copied (read only) into a private
+        # directory, read into the partitions, and the copy removed.
+        with local_copy(remote) as copy:
+            self._read(copy, shown=remote.uri)
 
     def __enter__(self) -> RankPartitions:
         return self
@@ -111,15 +131,20 @@ class RankPartitions:
         self.kept_rows = int(frame.select(pl.len()).collect().item())
         self._frame = frame
 
-    def _read(self, output_dir: Path) -> None:
+    def _read(self, output_dir: Path, shown: str | None = None) -> None:
         sources = find_history_sources(output_dir)
         if not sources:
             raise FileNotFoundError(
-                f"no history found under output_dir {str(output_dir)!r}: expected "
+                f"no history found under output_dir {shown or str(output_dir)!r}: expected "
                 f"{HISTORY_FILE} or {HISTORY_PARTS}/ parts in it or in its rank-NNN/ subfolders"
             )
+        _check_every_rank(output_dir, shown)
         files = [path for source in sources for path in source.files]
-        total = sum(pq.read_metadata(path).num_rows for path in files)
+        footers = [read_footer(path) for path in files]
+        for path, footer in zip(files, footers, strict=True):
+            check_contract(path, footer)
+        total = sum(footer.num_rows for footer in footers)
+        self._steps = Steps(self._progress, 2 * total)
         low, high = _span(files, self._align)
         count = partition_count(total)
         width = max(1, -(-(high - low + 1) // count))
@@ -139,6 +164,7 @@ class RankPartitions:
         for group in read_row_groups(files, columns):
             table = group.table
             self.rows += table.num_rows
+            self._steps.advance(table.num_rows)
             ranks.update(r for r in pc.unique(table.column("rank")).to_pylist() if r is not None)
             ids = self._catalog.ids(table.select(list(KEYS)))
             kept = self._catalog.kept[ids]
@@ -175,8 +201,34 @@ class RankPartitions:
             return
         assert self._partitions is not None
         catalog = self._catalog.frame()
+        self._steps.advance(self.rows - self.kept_rows)
         for frame in self._partitions.frames():
+            self._steps.advance(frame.height)
             yield frame.join(catalog, on="key", how="left").drop("key")
+
+
+def _check_every_rank(output_dir: Path, shown: str | None) -> None:
+    """Raise FileNotFoundError naming the rank directories a run that recorded every rank
+    lacks (not copied, or deleted): a comparison across the ranks present would silently leave
+    them out."""
+    present = {rank: directory for rank, directory in list_rank_dirs(output_dir)}
+    expected = 0
+    for directory in present.values():
+        world, policy = recorded_world(directory)
+        if world and policy in EVERY_RANK_POLICIES:
+            expected = max(expected, world)
+    missing = [rank_dir_name(rank) for rank in range(expected) if rank not in present]
+    if missing:
+        named = ", ".join(f"{name}/" for name in missing[:8]) + (
+            ", ..." if len(missing) > 8 else ""
+        )
+        lacking = f"{missing[0]}/ is" if len(missing) == 1 else f"{len(missing)} ranks are"
+        raise FileNotFoundError(
+            f"{shown or output_dir}: the run recorded every rank of a world of {expected} "
+            f"(rank_policy 'all'), but {lacking} missing ({named}). Copy them in (a partial "
+            "copy of the run?); to read the ranks that are here, pass their rows as a frame, "
+            "e.g. ti_dist.scan_ranks(output_dir)"
+        )
 
 
 def _by_name(keep: Keep) -> Callable[[tuple[Any, ...]], bool]:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ti_io.read.events import read_events, scan_events
     from ti_io.read.history import scan_history
     from ti_io.read.legacy_layout import LegacyRunError, legacy_reason
-    from ti_io.storage import RunLocation, StorageError, resolve_location
+    from ti_io.storage import CredentialsInURIError, RunLocation, StorageError, resolve_location
     from ti_io.write.directory_sink import DirectorySink
     from ti_io.write.tags import histogram_tag
     from ti_io.write.tensorboard_sink import TensorBoardSink
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     "ArtifactWriteError": "ti_io.errors",
     "ComparedRun": "ti_io.read.compare",
+    "CredentialsInURIError": "ti_io.storage",
     "Consolidated": "ti_io.finish.consolidate",
     "DamagedFileError": "ti_io.integrity",
     "DamagedPartsError": "ti_io.errors",
@@ -86,6 +87,7 @@ __all__ = [
     "ArtifactWriteError",
     "ComparedRun",
     "Consolidated",
+    "CredentialsInURIError",
     "DamagedFileError",
     "DamagedPartsError",
     "DirectorySink",

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from ti_io.damaged import SkippedPart, read_skipped
 from ti_io.publishing import publish_text
 from ti_io.storage import RunLocation
 from ti_schema.cost import RunCost
-from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, RESULT_FILE, RUN_FILE
+from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, INDEX_FILE, RESULT_FILE, RUN_FILE
 from ti_schema.sink import RunInfo
 
 
@@ -207,6 +208,36 @@ def read_run_facts(directory: Path, *, window: int | None = None) -> RunFacts:
         telemetry_cost=cost,
     )
     return replace(facts, window=window) if window is not None else facts
+
+
+_INDEX_RANK: Final[re.Pattern[str]] = re.compile(r"^rank:\s+\d+ of world size (\d+)$", re.M)
+_INDEX_POLICY: Final[re.Pattern[str]] = re.compile(r'^setting:\s+"rank_policy" = (".*")$', re.M)
+EVERY_RANK_POLICIES: Final[frozenset[str]] = frozenset({"'all'", "AllRanks()"})
+"""How the rank policy that writes every rank is recorded (``repr`` of the argument)."""
+
+
+def recorded_world(directory: Path) -> tuple[int | None, str | None]:
+    """The world size and rank policy (its ``repr``) the rank run in ``directory`` recorded:
+    from run.json while it is live, from index.md (ti-io's own lines) once finalized; None
+    where unknown."""
+    try:
+        doc = json.loads((directory / HISTORY_PARTS / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        doc = None
+    if isinstance(doc, dict):
+        settings = doc.get("settings")
+        policy = settings.get("rank_policy") if isinstance(settings, dict) else None
+        return _opt_int(doc, "world_size"), policy if isinstance(policy, str) else None
+    try:
+        text = (directory / INDEX_FILE).read_text(encoding="utf-8")
+    except OSError:
+        return None, None
+    size, policy = _INDEX_RANK.search(text), _INDEX_POLICY.search(text)
+    try:
+        recorded = json.loads(policy.group(1)) if policy else None
+    except ValueError:
+        recorded = None
+    return (int(size.group(1)) if size else None), recorded if isinstance(recorded, str) else None
 
 
 def started_at_text(value: str | None) -> str:

@@ -14,8 +14,6 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TextIO
 
-from tqdm import tqdm
-
 ProgressCallback = Callable[[int, int], None]
 """``progress(done, total)``: ``done`` of ``total`` units finished; ``done`` only grows. It may
 be called from a helper thread of the operation, one call at a time."""
@@ -23,6 +21,22 @@ be called from a helper thread of the operation, one call at a time."""
 BAR_DELAY_S = 0.5
 """On a terminal a bar appears only once an operation has run this long, so short ones stay
 silent; one asked for (``--progress``) shows at once."""
+
+
+class Steps:
+    """Units done towards ``total``, each advance reported to ``progress`` (None: nothing is
+    reported). A reader that reads the rows and then aggregates them counts both: its total is
+    twice the rows."""
+
+    def __init__(self, progress: ProgressCallback | None, total: int) -> None:
+        self._progress = progress
+        self.total = max(total, 0)
+        self.done = 0
+
+    def advance(self, units: int) -> None:
+        self.done = min(self.done + units, self.total)
+        if self._progress is not None:
+            self._progress(self.done, self.total)
 
 
 class TerminalProgress:
@@ -48,6 +62,8 @@ class TerminalProgress:
         if not self._show:
             return
         if self._bar is None:
+            from tqdm import tqdm  # the command's bar only: readers and writers never need it
+
             self._bar = tqdm(
                 total=total,
                 desc=self._description,

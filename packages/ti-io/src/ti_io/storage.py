@@ -44,6 +44,11 @@ class StorageError(OSError):
     to check (bucket, credentials, endpoint)."""
 
 
+class CredentialsInURIError(ValueError):
+    """A URI holds credentials (``s3://KEY:SECRET@bucket/run``): refused, and the message never
+    repeats them."""
+
+
 class MissingStorageLibraryError(ImportError):
     """The library a URI's filesystem needs is not installed; the message says what to
     install."""
@@ -145,9 +150,11 @@ def resolve_location(
         raise TypeError(f"the run location must be a str path, got {type(text).__name__}")
     if not text:
         raise ValueError("the run location must not be empty; pass e.g. 'stats'")
+    match = _SCHEME.match(text)
+    if match is not None and match.group(1).lower() != "file":
+        _refuse_credentials(text, match.group(1).lower())
     if filesystem is not None:
         return _in_filesystem(text, filesystem)
-    match = _SCHEME.match(text)
     if match is None:
         return _local(Path(location))
     scheme = match.group(1).lower()
@@ -159,6 +166,24 @@ def resolve_location(
     if scheme in ("s3", "s3a"):
         return _s3(text)
     return _from_uri(text, scheme)
+
+
+def _refuse_credentials(uri: str, scheme: str) -> None:
+    """Raise :class:`CredentialsInURIError` when ``uri`` holds a user or password before its
+    host (``scheme://KEY:SECRET@bucket/...``); the message shows neither."""
+    rest = uri.split("://", 1)[1]
+    authority = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    if "@" not in authority:
+        return
+    host = authority.rsplit("@", 1)[1]
+    path = _display(rest[len(authority) :]) if len(rest) > len(authority) else ""
+    raise CredentialsInURIError(
+        f"{scheme}://***@{host}{path}: the URI holds credentials before its host; they are "
+        "refused so that they are never written into run files, logs or error messages. Give "
+        "them where the storage SDK reads them (for S3: the AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY environment variables, ~/.aws/credentials or an instance role) "
+        f"and pass {scheme}://{host}{path}"
+    )
 
 
 def _local(path: Path) -> RunLocation:
@@ -485,6 +510,7 @@ def storage_error(location: RunLocation, doing: str, cause: BaseException) -> St
 
 
 __all__ = [
+    "CredentialsInURIError",
     "MissingStorageLibraryError",
     "RunLocation",
     "StorageError",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import PurePosixPath
 from collections.abc import Sequence
 from importlib import metadata
 from types import ModuleType
@@ -144,8 +145,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return USAGE
     except (OSError, ValueError, RuntimeError) as exc:  # LegacyRunError, a failing disk: one line
-        print(f"{prefix}: {exc}", file=sys.stderr)
+        print(f"{prefix}: {exc}{_way_forward(exc)}", file=sys.stderr)
         return REFUSED
+
+
+def _way_forward(exc: BaseException) -> str:
+    """What to do about a damaged file (nothing for other errors)."""
+    from ti_io.integrity import DamagedFileError
+    from ti_schema.layout import part_index
+
+    if not isinstance(exc, DamagedFileError):
+        return ""
+    path = PurePosixPath(str(exc.path))
+    if part_index(path.name) is not None:
+        return (
+            f"; `ti consolidate --skip-damaged {path.parent.parent}` sets the damaged part "
+            "aside (kept in damaged/) and finishes the run from the rest"
+        )
+    return "; restore it from a copy of the run (`ti validate` lists every damaged file)"
 
 
 def _reader_gone() -> int:

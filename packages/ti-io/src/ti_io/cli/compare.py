@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from ti_io.cli.options import machine_output, positive, sample_id
+from ti_io.cli.options import machine_output, positive, progress_flag, sample_id
 from ti_io.cli.output import escaped, print_table, without_constant_context, write_machine
 from ti_io.cli.status import OK, UsageError
+from ti_io.progress import TerminalProgress
 from ti_io.read.compare import ComparedRun, compare_runs, compare_series, open_runs, unshared
 from ti_io.read.events import describe_event, event_records, read_events
 from ti_io.read.ordering import TENSOR_KEYS
@@ -63,6 +64,7 @@ def add_parser(commands: Commands) -> None:
         help='also draw the aligned series as a PNG (needs `pip install "ti-io[plot]"`)',
     )
     machine_output(compare)
+    progress_flag(compare)
     compare.set_defaults(
         run=run,
         paths=("runs",),
@@ -157,7 +159,10 @@ def run(args: argparse.Namespace) -> int:
     filters = {"layer": args.layer, "signal": args.signal, "metric": args.metric}
     runs = open_runs(args.runs)
     window = args.window if args.window is not None else runs[0].window
-    table = compare_runs(args.runs, onset=args.onset, window=args.window, **filters)
+    with TerminalProgress("compare", "rows", enabled=args.progress) as progress:
+        table = compare_runs(
+            args.runs, onset=args.onset, window=args.window, progress=progress, **filters
+        )
     if args.plot is not None:
         try:
             from ti_io.read.plot import plot_series

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from ti_io.cli.options import machine_output
+from ti_io.cli.options import machine_output, progress_flag
 from ti_io.cli.output import escaped, print_table, without_constant_context, write_machine
 from ti_io.cli.status import OK
 from ti_io.damaged import gap_lines
 from ti_io.facts import read_run_facts
 from ti_io.finish.upgrade import upgraded_from
+from ti_io.progress import TerminalProgress
 from ti_io.read.events import describe_event, event_records, read_events
 from ti_io.read.ordering import TENSOR_KEYS
 from ti_io.read.summary import display_name, summary_table
@@ -48,6 +49,7 @@ def add_parser(commands: Commands) -> None:
         help="only this signal (repeatable)",
     )
     machine_output(summary)
+    progress_flag(summary)
     summary.set_defaults(
         run=run, paths=("dir",), refuses_legacy="summarized", remote_reads=("dir",)
     )
@@ -100,7 +102,10 @@ def event_lines(directory: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
-    raw = summary_table(directory, args.metric or [], args.signal or [], args.layer or [])
+    with TerminalProgress("summary", "rows", enabled=args.progress) as progress:
+        raw = summary_table(
+            directory, args.metric or [], args.signal or [], args.layer or [], progress=progress
+        )
     if args.format:
         write_machine(raw, args.format)
         return OK

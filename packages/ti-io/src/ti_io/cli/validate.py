@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ti_io.cli.options import progress_flag
 from ti_io.cli.status import OK, REFUSED
 from ti_io.finish.validation import validate_run
+from ti_io.progress import TerminalProgress
 
 if TYPE_CHECKING:
     from ti_io.cli.options import Commands
@@ -25,6 +27,7 @@ def add_parser(commands: Commands) -> None:
     validate.add_argument(
         "dir", help="a run directory, or a directory of rank-NNN runs (or its URI: s3://...)"
     )
+    progress_flag(validate)
     validate.set_defaults(
         run=run,
         paths=("dir",),
@@ -37,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     try:
         # Live and interrupted runs are checked as they stand: parts, catalog and index.md.
-        found = validate_run(root)
+        with TerminalProgress("validate", "rows", enabled=args.progress) as progress:
+            found = validate_run(root, progress=progress)
     except NotADirectoryError as exc:
         print(f"ti validate: {exc}", file=sys.stderr)
         return REFUSED

@@ -31,6 +31,7 @@ from ti_io.integrity import (
     parquet_problem,
     read_error,
 )
+from ti_io.progress import ProgressCallback, Steps
 from ti_schema.artifacts import artifact_dir_problems
 from ti_schema.layout import RUN_FILES, list_parts, list_rank_dirs
 
@@ -66,12 +67,12 @@ def _parquet_files(run: Path) -> list[Path]:
     return files
 
 
-def _validate_remote(location: RunLocation) -> RunValidation:
+def _validate_remote(location: RunLocation, progress: ProgressCallback | None) -> RunValidation:
     # The path-based checks run on a read-only copy; what they say names the store's URIs.
     from ti_io.read.remote import local_copy, shown
 
     with local_copy(location) as copy:
-        found = validate_run(copy)
+        found = validate_run(copy, progress=progress)
 
         def named(text: str) -> str:
             return shown(text, copy, location.uri)
@@ -83,6 +84,14 @@ def _validate_remote(location: RunLocation) -> RunValidation:
         notes=tuple(named(n) for n in found.notes),
         unverified=tuple(named(str(p)) for p in found.unverified),
     )
+
+
+def _footer_rows(path: Path) -> int:
+    """Rows ``path``'s footer records (0 when it cannot be read: the checks say why)."""
+    try:
+        return int(pq.read_metadata(path).num_rows)
+    except (OSError, pa.ArrowException):
+        return 0
 
 
 def _verified_row_groups(path: Path, unverified: list[Path]) -> Iterator[pa.Table]:
@@ -103,7 +112,9 @@ def _verified_row_groups(path: Path, unverified: list[Path]) -> Iterator[pa.Tabl
             raise read_error(path, exc) from None
 
 
-def validate_run(path: str | os.PathLike[str] | RunLocation) -> RunValidation:
+def validate_run(
+    path: str | os.PathLike[str] | RunLocation, *, progress: ProgressCallback | None = None
+) -> RunValidation:
     """Check the run (or directory of ``rank-NNN`` runs) at ``path``: every Parquet file read
     whole with page checksums verified, then the contract. Live and interrupted runs are
     checked as they stand. Raises NotADirectoryError when ``path`` is not a directory.
@@ -112,12 +123,12 @@ def validate_run(path: str | os.PathLike[str] | RunLocation) -> RunValidation:
     ``ti_io.RunLocation``): its objects are listed once and read (never written) into a private
     temporary copy that the same checks read; problems name the objects' URIs.
     ``FileNotFoundError`` when nothing is stored there, ``OSError`` naming the URI when the
-    store cannot be read."""
+    store cannot be read. ``progress(done, total)`` is told the rows read."""
     from ti_io.read.remote import local_path, remote_location
 
     remote = remote_location(path)
     if remote is not None:
-        return _validate_remote(remote)
+        return _validate_remote(remote, progress)
     root = local_path(path)
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a directory")
@@ -127,13 +138,17 @@ def validate_run(path: str | os.PathLike[str] | RunLocation) -> RunValidation:
     damaged: dict[Path, str] = {}
     unverified: list[Path] = []
     checked: set[Path] = set()
+    files = [file for run in runs for file in _parquet_files(run)]
+    steps = Steps(progress, sum(_footer_rows(file) for file in files))
 
     def read(path: Path) -> Iterator[pa.Table]:
         # The contract's check reads each file once, a row group at a time: that read verifies
         # the page checksums too, so every page is read once in all.
         checked.add(path)
         try:
-            yield from _verified_row_groups(path, unverified)
+            for table in _verified_row_groups(path, unverified):
+                steps.advance(table.num_rows)
+                yield table
         except DamagedFileError as exc:
             damaged[path] = exc.problem
             raise

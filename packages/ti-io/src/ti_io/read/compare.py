@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ti_io.facts import read_catalog, read_run_facts
+from ti_io.progress import ProgressCallback, Steps
 from ti_io.read.alignment import Alignment, DuplicateRowError, aligned_statistics
 from ti_io.read.filters import matching_layers, names, signal_names
 from ti_io.read.history import history_files_of
@@ -129,6 +130,7 @@ def compare_runs(
     metric: str | Sequence[str] | None = None,
     onset: int | None = None,
     window: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> pl.DataFrame:
     """Every measurement of two or more runs side by side: one row per measurement and run.
 
@@ -162,7 +164,9 @@ def compare_runs(
     opened = open_runs(runs)
     size = _window(window, opened)
     ratios = _RATIOS if onset is None else {**_RATIOS, "after_mean": "after_ratio"}
-    with _Partitioned(opened, layer=layer, signal=signal, metric=metric) as partitioned:
+    with _Partitioned(
+        opened, layer=layer, signal=signal, metric=metric, progress=progress
+    ) as partitioned:
         alignment = Alignment(np.asarray(partitioned.shared, np.int64), len(opened), size, onset)
         pieces = list(partitioned.statistics(alignment))
         table = _with_ratios(pl.concat(pieces), ratios)
@@ -339,6 +343,7 @@ class _Partitioned:
         signal: str | Sequence[str] | None,
         metric: str | Sequence[str] | None,
         forwards: bool = False,
+        progress: ProgressCallback | None = None,
     ) -> None:
         self.labels = [run.label for run in opened]
         self._opened = opened
@@ -357,7 +362,9 @@ class _Partitioned:
 
         self._catalog = KeyCatalog(KEY, keep)
         files = [history_files_of(run.directory) for run in opened]
-        self._partitions = Partitions(_CELLS, partition_count(sum(f.total_rows for f in files)))
+        total = sum(f.total_rows for f in files)
+        self._steps = Steps(progress, 2 * total)
+        self._partitions = Partitions(_CELLS, partition_count(total))
         self._forward_pairs: list[pl.DataFrame] = []
         self._held: list[set[int]] = []  # per run: the ids of the measurements it holds
         for run, history in enumerate(files):
@@ -379,6 +386,7 @@ class _Partitioned:
         columns = [*_READ, "forward_index"] if self._forwards else _READ
         forwards: list[pl.DataFrame] = []
         for group in read_row_groups(files.paths, columns):
+            self._steps.advance(group.table.num_rows)
             ids = self._catalog.ids(group.table.select(list(KEY)))
             seen = np.bincount(ids, minlength=len(held)) > 0
             seen[: len(held)] |= held
@@ -483,8 +491,10 @@ class _Partitioned:
         ``_run``, ``in_run``, the statistics). Raises ``ValueError`` when a run holds two rows
         for one measurement and sample."""
         count = self._partitions.count
+        self._steps.advance(self._steps.total // 2 - self._partitions.rows)  # rows not kept
         for rows in self._partitions.frames():
             index = int(rows.item(0, "key")) % count
+            self._steps.advance(rows.height)
             try:
                 yield aligned_statistics(rows, alignment, index, count)
             except DuplicateRowError as exc:

@@ -30,6 +30,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ti_io.progress import ProgressCallback, Steps
 from ti_io.read.aggregates import TAIL, tail_expr, value_exprs, window_exprs
 from ti_io.read.keys import KeyCatalog
 from ti_io.read.ordering import GROUP_KEYS
@@ -94,6 +95,11 @@ class Measurements:
     def close(self) -> None:
         self._partitions.close()
 
+    @property
+    def partitioned_rows(self) -> int:
+        """Rows kept (routed into the partitions)."""
+        return self._partitions.rows
+
     def add(self, table: pa.Table) -> None:
         """Fold the next rows of the history (a ``ti.history`` table with at least
         :data:`COLUMNS`; strings plain or dictionary-encoded)."""
@@ -154,15 +160,20 @@ class Measurements:
         for key, reason, count in frame.group_by("key", "reason").len().iter_rows():
             self._reasons[(int(key), reason or "")] += int(count)
 
-    def aggregated(self, window: int, fetch: Fetch | None = None) -> pl.DataFrame:
+    def aggregated(
+        self,
+        window: int,
+        fetch: Fetch | None = None,
+        on_partition: Callable[[int], None] | None = None,
+    ) -> pl.DataFrame:
         """One row per kept measurement: the ``GROUP_KEYS`` columns, every result.json
         aggregate (``observations``, ``unavailable``, ``mean`` ... ``previous_window_mean``,
         ``recent_window_mean``), ``rows``, ``latest_sample`` and ``latest`` (the value at it),
         ``first_reason`` (the most frequent unavailable reason) and ``reasons`` (how many), and
         with ``fetch`` ``latest_shape``, ``dtype`` and ``module_type``. Computed once; the
-        partitions are consumed."""
+        partitions are consumed. ``on_partition(rows)`` after each partition is aggregated."""
         if self._aggregated is None:
-            self._aggregated = self._aggregate(window, fetch)
+            self._aggregated = self._aggregate(window, fetch, on_partition)
         return self._aggregated
 
     @property
@@ -170,11 +181,15 @@ class Measurements:
         """What :meth:`aggregated` returned (None before it was called)."""
         return self._aggregated
 
-    def _aggregate(self, window: int, fetch: Fetch | None) -> pl.DataFrame:
+    def _aggregate(
+        self, window: int, fetch: Fetch | None, on_partition: Callable[[int], None] | None
+    ) -> pl.DataFrame:
         in_order = self._in_order
-        frames = [
-            _statistics(frame, window, in_order=in_order) for frame in self._partitions.frames()
-        ]
+        frames = []
+        for frame in self._partitions.frames():
+            frames.append(_statistics(frame, window, in_order=in_order))
+            if on_partition is not None:
+                on_partition(frame.height)
         self._partitions.close()
         if not frames:
             empty = pl.DataFrame(schema=dict(zip(SPILL_SCHEMA.names, _SPILL_DTYPES, strict=True)))
@@ -258,19 +273,27 @@ def _statistics(frame: pl.DataFrame, window: int, *, in_order: bool) -> pl.DataF
 
 
 def aggregate_files(
-    files: HistoryFiles, window: int, keep: Callable[[tuple[Any, ...]], bool] | None = None
+    files: HistoryFiles,
+    window: int,
+    keep: Callable[[tuple[Any, ...]], bool] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple[pl.DataFrame, KeyCatalog]:
     """The aggregates of :meth:`Measurements.aggregated` (with the facts) of the history
     ``files``, read once a row group at a time; and the catalog of every measurement seen
-    (kept or not)."""
+    (kept or not). ``progress(done, total)``: rows read, then rows aggregated (total: twice
+    the rows)."""
+    steps = Steps(progress, 2 * files.total_rows)
     with Measurements(files.total_rows, keep=keep) as measurements:
         for group in read_row_groups(files.paths, COLUMNS):
             measurements.add(group.table)
+            steps.advance(group.table.num_rows)
+        steps.advance(files.total_rows - measurements.partitioned_rows)  # rows not kept
 
         def fetch(rows: Sequence[int], columns: Sequence[str]) -> pa.Table:
             return read_rows(files, rows, columns)
 
-        return measurements.aggregated(window, fetch), measurements.catalog
+        table = measurements.aggregated(window, fetch, steps.advance)
+        return table, measurements.catalog
 
 
 __all__ = ["COLUMNS", "FACT_COLUMNS", "Fetch", "Measurements", "aggregate_files"]

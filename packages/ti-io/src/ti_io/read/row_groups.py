@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ti_io.integrity import open_verified, read_error, read_footer
+from ti_schema import SchemaMismatchError, check_compatible
 from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_parts
 
 STRING_COLUMNS: Final[frozenset[str]] = frozenset(
@@ -71,11 +72,44 @@ class HistoryFiles:
 
 def history_files(directory: Path) -> HistoryFiles:
     """The history files of the run ``directory`` (empty when it has none yet); footers are
-    read for their row counts (``DamagedFileError`` for one that does not parse)."""
+    read for their row counts and contract version (``DamagedFileError`` for one that does not
+    parse, :class:`UnreadableContractError` for one this reader cannot read)."""
     final = directory / HISTORY_FILE
     paths = [final] if final.is_file() else list_parts(directory / HISTORY_PARTS)
-    rows = tuple(int(read_footer(path).num_rows) for path in paths)
-    return HistoryFiles(tuple(paths), rows, final.is_file())
+    rows = []
+    for path in paths:
+        metadata = read_footer(path)
+        check_contract(path, metadata)
+        rows.append(int(metadata.num_rows))
+    return HistoryFiles(tuple(paths), tuple(rows), final.is_file())
+
+
+class UnreadableContractError(SchemaMismatchError):
+    """A history file of a contract this reader cannot read (another major: a newer ti wrote
+    it); one line naming the file and what to upgrade."""
+
+    def __init__(self, path: Path, error: SchemaMismatchError) -> None:
+        super().__init__(error.subject, error.mismatches)
+        problem = error.mismatches[0] if error.mismatches else error
+        self.path = path
+        self.args = (
+            f"{path}: {problem} (pip install -U ti-schema ti-io installs the newest readers)",
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def check_contract(path: Path, metadata: pq.FileMetaData) -> None:
+    """Raise :class:`UnreadableContractError` naming ``path`` when its ``ti`` footer names a
+    contract this reader cannot read as ``ti.history`` (another major). A file without the
+    footer (rewritten by a tool that drops metadata) is read as it is."""
+    if b"ti" not in (metadata.metadata or {}):
+        return
+    try:
+        check_compatible(metadata.metadata)
+    except SchemaMismatchError as exc:
+        raise UnreadableContractError(path, exc) from None
 
 
 @dataclass(frozen=True)
@@ -205,6 +239,8 @@ __all__ = [
     "STRING_COLUMNS",
     "HistoryFiles",
     "RowGroup",
+    "UnreadableContractError",
+    "check_contract",
     "history_files",
     "read_row_groups",
     "read_rows",

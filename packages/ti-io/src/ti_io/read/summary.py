@@ -11,6 +11,7 @@ from typing import Any
 import polars as pl
 
 from ti_io.facts import read_catalog, read_run_facts
+from ti_io.progress import ProgressCallback
 from ti_io.read.aggregates import AGGREGATES
 from ti_io.read.filters import matching_layers
 from ti_io.read.history import history_files_of
@@ -32,6 +33,8 @@ def summary_table(
     metrics: Sequence[str] = (),
     signals: Sequence[str] = (),
     layers: Sequence[str] = (),
+    *,
+    progress: ProgressCallback | None = None,
 ) -> pl.DataFrame:
     """One row per tensor, context and metric (``TENSOR_KEYS``, ``metric``, ``latest_sample``,
     ``latest``, every result.json aggregate, ``executed`` true), then one row per catalog layer
@@ -40,14 +43,16 @@ def summary_table(
     globs; ``metrics`` and ``signals`` names (empty: all); layer names are unescaped.
 
     The history is read once, a row group at a time (:mod:`ti_io.read.measurements`): memory
-    does not grow with the run's length. Raises ``ValueError`` when no layer matches
-    ``layers``, ``ti_io.DamagedFileError`` naming a damaged file.
+    does not grow with the run's length; ``progress(done, total)`` is told the rows read and
+    aggregated. Raises ``ValueError`` when no layer matches ``layers``,
+    ``ti_io.DamagedFileError`` naming a damaged file.
     """
     facts = read_run_facts(directory)
     files = history_files_of(directory)
     catalog = [info.name for info in facts.layers or read_catalog(directory) or ()]
     # The run's window: run.json while live, the footer once finalized.
-    table, measured = aggregate_files(files, facts.window, _selection(layers, signals, metrics))
+    keep = _selection(layers, signals, metrics)
+    table, measured = aggregate_files(files, facts.window, keep, progress)
     seen = list(dict.fromkeys(measured.frame().get_column("layer").to_list()))
     if layers:
         known = list(dict.fromkeys([*catalog, *seen]))
