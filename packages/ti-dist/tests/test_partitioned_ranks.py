@@ -6,9 +6,9 @@ give read whole from a frame, and ``ti drift`` prints the same report."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import io
 import itertools
+import shutil
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path

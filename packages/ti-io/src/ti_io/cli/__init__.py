@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import PurePosixPath
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import PurePosixPath
 from types import ModuleType
 from typing import Final
 
