@@ -59,6 +59,7 @@ TEST_TOOLS = nox.project.dependency_groups(PYPROJECT, "test")
 LINT_TOOLS = nox.project.dependency_groups(PYPROJECT, "lint")
 BENCH_TOOLS = nox.project.dependency_groups(PYPROJECT, "bench")
 LEGACY_TOOLS = nox.project.dependency_groups(PYPROJECT, "legacy")
+SPARK_TOOLS = nox.project.dependency_groups(PYPROJECT, "spark")
 LINT_PATHS = ("noxfile.py", "nox_helpers.py", "packages", "tests", "examples", "benchmarks")
 
 nox.options.default_venv_backend = "virtualenv"  # pip sees the local torch wheel; uv does not
@@ -266,6 +267,18 @@ def demo(session: nox.Session) -> None:
     session.run(
         "python", str(script), *session.posargs, env={"MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1"}
     )
+
+
+@nox.session(python=helpers.interpreter(MAIN_PYTHON), download_python="never", default=False)
+def spark(session: nox.Session) -> None:
+    """docs/reading-at-scale.md's Spark recipe (benchmarks/spark_recipe.py): pyspark in local
+    mode reads an all-ranks run written by ti-io and reproduces ``ti summary`` of every rank;
+    arguments after `--` go to the script. Needs Java 17, from Debian's packages:
+    ``apt-get install -y openjdk-17-jre-headless``."""
+    if shutil.which("java") is None:
+        session.error("Spark needs Java 17: apt-get install -y openjdk-17-jre-headless (Debian)")
+    helpers.install(session, *SPARK_TOOLS, *helpers.source_args(("ti-schema", "ti-io")))
+    session.run("python", str(ROOT / "benchmarks" / "spark_recipe.py"), *session.posargs)
 
 
 PROPERTY_TESTS = (

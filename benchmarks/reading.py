@@ -196,6 +196,7 @@ def _duckdb(*statements: str) -> list[str]:
         "import duckdb, sys\n"
         "c = duckdb.connect()\n"
         f"c.execute('SET threads={THREADS}')\n"
+        "c.execute(\"SET memory_limit='16GB'\")\n"  # keeps the machine alive; ti holds 1 GB
         f"c.execute(\"SET temp_directory='{spill}'\")\n"
         "for statement in sys.argv[1:-1]: c.execute(statement)\n"
         "print(len(c.sql(sys.argv[-1]).fetchall()), 'rows')\n"
@@ -384,14 +385,15 @@ def one_rank(work: Path, label: str, rows: int) -> list[Measured]:
     return measured
 
 
-def all_ranks(work: Path, label: str, ranks: int, rows: int) -> list[Measured]:
+def all_ranks(work: Path, label: str, ranks: int, rows: int, reuse: bool) -> list[Measured]:
     run = work / f"ranks-{label}"
-    start = time.perf_counter()
-    subprocess.run(
-        [sys.executable, str(HERE), "_build", "ranks", str(run), str(ranks), str(rows)],
-        check=True,
-    )
-    print(f"built {label} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    if not (reuse and run.is_dir()):
+        start = time.perf_counter()
+        subprocess.run(
+            [sys.executable, str(HERE), "_build", "ranks", str(run), str(ranks), str(rows)],
+            check=True,
+        )
+        print(f"built {label} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     files = str(run / "rank-*" / "history.parquet")
     return [
         _measure(
@@ -399,10 +401,10 @@ def all_ranks(work: Path, label: str, ranks: int, rows: int) -> list[Measured]:
         ),
         _measure(
             label,
-            'compare_ranks(metric="std")',
+            'compare_ranks(metric="std", only_standouts=True)',
             _python(
                 "import sys; from ti_dist import compare_ranks; "
-                f"print(compare_ranks({str(run)!r}, metric='std').height)"
+                f"print(compare_ranks({str(run)!r}, metric='std', only_standouts=True).height)"
             ),
             "DuckDB compare_ranks",
             _duckdb(ranks_query(files)),
@@ -436,6 +438,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="64x3.4M", help="RANKSxROWS, or none")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: temporary)")
     parser.add_argument("--output", type=Path, help="also write the table as CSV")
+    parser.add_argument(
+        "--reuse", action="store_true", help="measure the runs --workdir holds instead of building"
+    )
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="ti-reading-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -447,11 +452,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     rows: list[Measured] = []
     try:
-        for size in [s for s in args.sizes.split(",") if s]:
+        for size in [s for s in args.sizes.split(",") if s and s != "none"]:
             rows += one_rank(work, size, _count(size))
         if args.ranks != "none":
             count, per_rank = args.ranks.split("x")
-            rows += all_ranks(work, args.ranks, int(count), _count(per_rank))
+            rows += all_ranks(work, args.ranks, int(count), _count(per_rank), args.reuse)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

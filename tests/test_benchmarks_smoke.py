@@ -351,3 +351,48 @@ def test_sentinel_parts_times_every_reduction_inside_the_step(tmp_path: Path) ->
     assert names == ["cpu_nonfinite", "dot", "sum", "numpy sum", "abs max", "aminmax"]
     for line in lines[1:]:
         assert float(line.split(" median ")[1].split()[0]) > 0
+
+
+def test_reading_benchmark_times_every_reader_beside_duckdb(tmp_path: Path) -> None:
+    """benchmarks/reading.py on a tiny run of one rank and of three ranks: a row per reader,
+    each with a time and a peak RSS, DuckDB's beside it where it has one (no timing asserted),
+    and the CSV it promises."""
+    pytest.importorskip("duckdb")
+    output = tmp_path / "reading.csv"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "reading.py"),
+            "--sizes",
+            "150k",
+            "--ranks",
+            "3x30k",
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    with output.open(encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    commands = [row["command"] for row in rows]
+    assert commands == [
+        "finalization (remove_observer: the sink's close())",
+        "ti consolidate (killed run)",
+        "ti summary --csv",
+        "ti compare --csv (two runs)",
+        "ti validate",
+        "ti drift",
+        'compare_ranks(metric="std", only_standouts=True)',
+        "combine_shards",
+    ]
+    for row in rows:
+        assert float(row["seconds"]) > 0, row
+        assert float(row["peak_mb"]) > 0, row
+        assert "failed" not in row["note"], row
+    with_reference = [row for row in rows if row["reference"]]
+    assert len(with_reference) == 6
+    assert all(float(row["reference_seconds"]) > 0 for row in with_reference)

@@ -24,7 +24,7 @@ from typing import Any, Final, Literal
 
 import polars as pl
 
-from ti_dist.partitions import RankPartitions
+from ti_dist.partitions import RankPartitions, plain
 from ti_io.read.filters import names, signal_names
 from ti_io.read.frames import PathOrFrame
 from ti_schema import Signal
@@ -196,7 +196,7 @@ def _compared(
     )
     if only_standouts:
         table = table.filter(pl.col("standout_ranks").list.len() > 0)
-    return table.select(
+    columns = table.select(
         *key,
         "n_ranks",
         "min",
@@ -211,4 +211,5 @@ def _compared(
         "outlier_ranks",
         "ranks",
         "values",
-    ).sort(key)
+    )
+    return plain(columns).sort(key)

@@ -34,7 +34,7 @@ from typing import Any, Final
 
 import polars as pl
 
-from ti_dist.partitions import RankPartitions
+from ti_dist.partitions import RankPartitions, plain
 from ti_io.progress import ProgressCallback
 from ti_io.read.filters import names, signal_names
 from ti_io.read.frames import PathOrFrame
@@ -203,7 +203,7 @@ def _drift_table(frame: pl.DataFrame, run_ranks: list[int], only_drift: bool) ->
     )
     if only_drift:
         table = table.filter(pl.col("agree").not_())
-    return table.select(DRIFT_COLUMNS).sort(key)
+    return plain(table.select(DRIFT_COLUMNS)).sort(key)
 
 
 def drift_tables(

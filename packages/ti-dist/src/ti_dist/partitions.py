@@ -40,6 +40,9 @@ from ti_schema.layout import HISTORY_FILE, HISTORY_PARTS, list_rank_dirs, rank_d
 KEYS: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path", "metric", "run_id")
 """The string and integer columns a row's measurement id stands for."""
 
+CROSS_RANK_FACTOR: Final[int] = 4
+"""A partition of steps holds ``ti_io.read.spill.partition_rows() / CROSS_RANK_FACTOR`` rows."""
+
 Keep = Callable[[dict[str, Any]], bool]
 """Whether a measurement's rows are read (``KEYS`` by name), decided once per measurement."""
 
@@ -146,7 +149,9 @@ class RankPartitions:
         total = sum(footer.num_rows for footer in footers)
         self._steps = Steps(self._progress, 2 * total)
         low, high = _span(files, self._align)
-        count = partition_count(total)
+        # A quarter of a measurement partition's rows: a reader across ranks works on several
+        # copies of its partition (per rank, per measurement and step, with list columns).
+        count = partition_count(total * CROSS_RANK_FACTOR)
         width = max(1, -(-(high - low + 1) // count))
         schema = pa.schema(
             [
@@ -194,17 +199,25 @@ class RankPartitions:
         return self._measurements
 
     def frames(self) -> Iterator[pl.DataFrame]:
-        """Each partition (every rank's kept rows of a range of steps, strings decoded), in
-        step order; one at a time."""
+        """Each partition (every rank's kept rows of a range of steps), in step order; one at
+        a time. The string columns of a run directory's partitions are ``pl.Categorical`` (four
+        bytes a row instead of the strings; readers cast what they return with
+        :func:`plain`)."""
         if self._frame is not None:
             yield self._frame.collect()
             return
         assert self._partitions is not None
-        catalog = self._catalog.frame()
+        catalog = self._catalog.frame().with_columns(pl.col(pl.String).cast(pl.Categorical))
         self._steps.advance(self.rows - self.kept_rows)
         for frame in self._partitions.frames():
             self._steps.advance(frame.height)
             yield frame.join(catalog, on="key", how="left").drop("key")
+
+
+def plain(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with its categorical columns (a partition's strings) as plain strings: what
+    the readers return."""
+    return frame.with_columns(pl.col(pl.Categorical).cast(pl.String))
 
 
 def _check_every_rank(output_dir: Path, shown: str | None) -> None:
@@ -268,4 +281,4 @@ def _span(files: Sequence[Path], column: str) -> tuple[int, int]:
     return (0, 0) if low is None or high is None else (low, high)
 
 
-__all__ = ["KEYS", "RankPartitions"]
+__all__ = ["KEYS", "RankPartitions", "plain"]

@@ -129,6 +129,7 @@ def _combined_rows(
 ) -> list[dict[str, Any]]:
     """The whole-tensor rows of the steps ``frame`` holds (every rank's rows of them)."""
     combined = _combined(profile)
+    frame = frame.with_columns(pl.col(pl.Categorical).cast(pl.String))  # a partition's strings
     sharded = frame.filter(pl.col("tensor_path").str.contains(SHARD_PATH)).with_columns(
         pl.col("tensor_path").str.extract(SHARD_PATH, 1).alias("parameter"),
         pl.col("tensor_path").str.extract(SHARD_PATH, 2).cast(pl.Int64).alias("_dim"),

@@ -260,54 +260,38 @@ def _write_final_files(
     on_part = _part_counter(len(history_parts) + len(histogram_parts), progress)
     producer = _producer(facts)
     with HistoryDigest(sum(parquet_rows(part) for part in history_parts)) as digest:
-        return _write_with_digest(
-            directory, facts, digest, history_parts, histogram_parts, on_part, producer, shown
+        # The footer records the window of result.json's window means (a contract 1.1 run fact), so
+        # readers of the finalized run (``ti summary``) use the run's window, and the run's latest
+        # telemetry cost (1.4), which run.json held until now.
+        history_rows = _stream_parts(
+            history_parts,
+            directory / HISTORY_FILE,
+            history_schema(producer, window=facts.window, telemetry_cost=facts.telemetry_cost),
+            digest,
+            on_part,
         )
-
-
-def _write_with_digest(
-    directory: Path,
-    facts: RunFacts,
-    digest: HistoryDigest,
-    history_parts: list[Path],
-    histogram_parts: list[Path],
-    on_part: Callable[[], None],
-    producer: str,
-    shown: str | None,
-) -> tuple[int, int]:
-    """:func:`_write_final_files` with the digest the history is folded into."""
-    # The footer records the window of result.json's window means (a contract 1.1 run fact), so
-    # readers of the finalized run (``ti summary``) use the run's window, and the run's latest
-    # telemetry cost (1.4), which run.json held until now.
-    history_rows = _stream_parts(
-        history_parts,
-        directory / HISTORY_FILE,
-        history_schema(producer, window=facts.window, telemetry_cost=facts.telemetry_cost),
-        digest,
-        on_part,
-    )
-    # Arrow's allocator keeps the streamed row groups' memory for reuse; handing it back
-    # before the aggregation keeps the peak of a 900,000-row finalization near 130 MB
-    # instead of 160-200 MB (the training process gets the memory back either way).
-    pa.default_memory_pool().release_unused()
-    histogram_rows = _stream_parts(
-        histogram_parts, directory / HISTOGRAMS_FILE, histogram_schema(producer), None, on_part
-    )
-    pa.default_memory_pool().release_unused()
-    # Before result.json and index.md, which list the events; always written (maybe empty).
-    events = event_records(write_events_file(directory, producer, FINAL_COMPRESSION))
-    text = render(
-        facts.layers,
-        digest.aggregated(facts.window, directory / HISTORY_FILE),
-        window=facts.window,
-        metrics=facts.metrics,
-        events=events,
-    )
-    write_result_json(directory / RESULT_FILE, text)
-    write_index(
-        directory, facts, digest.facts(histogram_rows), live=False, events=events, shown=shown
-    )
-    return history_rows, histogram_rows
+        # Arrow's allocator keeps the streamed row groups' memory for reuse; handing it back
+        # before the aggregation keeps the peak of a 900,000-row finalization near 130 MB
+        # instead of 160-200 MB (the training process gets the memory back either way).
+        pa.default_memory_pool().release_unused()
+        histogram_rows = _stream_parts(
+            histogram_parts, directory / HISTOGRAMS_FILE, histogram_schema(producer), None, on_part
+        )
+        pa.default_memory_pool().release_unused()
+        # Before result.json and index.md, which list the events; always written (maybe empty).
+        events = event_records(write_events_file(directory, producer, FINAL_COMPRESSION))
+        text = render(
+            facts.layers,
+            digest.aggregated(facts.window, directory / HISTORY_FILE),
+            window=facts.window,
+            metrics=facts.metrics,
+            events=events,
+        )
+        write_result_json(directory / RESULT_FILE, text)
+        write_index(
+            directory, facts, digest.facts(histogram_rows), live=False, events=events, shown=shown
+        )
+        return history_rows, histogram_rows
 
 
 def _part_counter(total: int, progress: ProgressCallback | None) -> Callable[[], None]:

@@ -303,90 +303,55 @@ def _upgrade_run(
     )
     run_id = _run_id(files)
     with HistoryDigest(sum(pq.read_metadata(f).num_rows for f in files)) as digest:
-        return _write_upgraded(
-            source,
-            build,
-            final,
-            files,
-            old,
-            interrupted,
-            rank_value,
-            types,
-            unrecorded,
-            schema,
-            run_id,
-            producer,
-            digest,
-            on_rows,
+        rows = 0
+        seen_metrics: set[str] = set()
+        build.mkdir(parents=True)
+        with pq.ParquetWriter(
+            build / HISTORY_FILE, schema, **parquet_write_options(FINAL_COMPRESSION)
+        ) as writer:
+            for table in _read_tables(files):
+                converted = _convert(table, schema, run_id=run_id, rank=rank_value, types=types)
+                writer.write_table(converted, row_group_size=ROW_GROUP_ROWS)
+                digest.add(converted)
+                seen_metrics |= set(pc.unique(converted.column("metric")).to_pylist())
+                rows += converted.num_rows
+                on_rows(converted.num_rows)
+        # torchinstruments 0.8.0 recorded no events: the table of the current contract, empty.
+        write_events_table(build / EVENTS_FILE, empty_events(producer), FINAL_COMPRESSION)
+        metrics = [m for m in DEFAULT_METRICS if m in seen_metrics or not seen_metrics]
+        metrics += sorted(seen_metrics - set(metrics))
+        facts = RunFacts(
+            run_id=run_id,
+            rank=rank_value,
+            world_size=old.world_size,
+            producer=f"{producer} (upgrade of a {LEGACY_PRODUCER} run)",
+            started_at=None,
+            layers=old.catalog,
+            focus_layers=old.focus,
+            metrics=tuple(metrics),
+            sampler=f"{old.sampler} (torchinstruments 0.8.0)" if old.sampler else None,
+            window=old.window,
+            settings={
+                "upgraded_from": LEGACY_PRODUCER,
+                "unrecorded": ", ".join(unrecorded),
+                "interrupted": str(interrupted).lower(),
+            },
         )
-
-
-def _write_upgraded(
-    source: Path,
-    build: Path,
-    final: Path,
-    files: list[Path],
-    old: _OldFacts,
-    interrupted: bool,
-    rank_value: int,
-    types: dict[str, str],
-    unrecorded: list[str],
-    schema: pa.Schema,
-    run_id: str,
-    producer: str,
-    digest: HistoryDigest,
-    on_rows: Callable[[int], None],
-) -> UpgradedRun:
-    """The files of :func:`_build` from the converted history, folded into ``digest``."""
-    rows = 0
-    seen_metrics: set[str] = set()
-    build.mkdir(parents=True)
-    with pq.ParquetWriter(
-        build / HISTORY_FILE, schema, **parquet_write_options(FINAL_COMPRESSION)
-    ) as writer:
-        for table in _read_tables(files):
-            converted = _convert(table, schema, run_id=run_id, rank=rank_value, types=types)
-            writer.write_table(converted, row_group_size=ROW_GROUP_ROWS)
-            digest.add(converted)
-            seen_metrics |= set(pc.unique(converted.column("metric")).to_pylist())
-            rows += converted.num_rows
-            on_rows(converted.num_rows)
-    # torchinstruments 0.8.0 recorded no events: the table of the current contract, empty.
-    write_events_table(build / EVENTS_FILE, empty_events(producer), FINAL_COMPRESSION)
-    metrics = [m for m in DEFAULT_METRICS if m in seen_metrics or not seen_metrics]
-    metrics += sorted(seen_metrics - set(metrics))
-    facts = RunFacts(
-        run_id=run_id,
-        rank=rank_value,
-        world_size=old.world_size,
-        producer=f"{producer} (upgrade of a {LEGACY_PRODUCER} run)",
-        started_at=None,
-        layers=old.catalog,
-        focus_layers=old.focus,
-        metrics=tuple(metrics),
-        sampler=f"{old.sampler} (torchinstruments 0.8.0)" if old.sampler else None,
-        window=old.window,
-        settings={
-            "upgraded_from": LEGACY_PRODUCER,
-            "unrecorded": ", ".join(unrecorded),
-            "interrupted": str(interrupted).lower(),
-        },
-    )
-    aggregated = digest.aggregated(old.window, build / HISTORY_FILE)
-    text = render(old.catalog, aggregated, window=old.window, metrics=metrics)
-    publish_text(build / RESULT_FILE, text)
-    index = render_index(final.resolve(), facts, digest.facts(None), live=False, events=[])
-    publish_text(build / INDEX_FILE, index)
-    if (source / TENSORBOARD_DIR).is_dir():
-        shutil.copytree(source / TENSORBOARD_DIR, build / TENSORBOARD_DIR)
-    return UpgradedRun(
-        source=source,
-        destination=final,
-        history_rows=rows,
-        rank=rank_value,
-        interrupted=interrupted,
-        unrecorded=tuple(unrecorded),
-    )
+        aggregated = digest.aggregated(old.window, build / HISTORY_FILE)
+        text = render(old.catalog, aggregated, window=old.window, metrics=metrics)
+        publish_text(build / RESULT_FILE, text)
+        index = render_index(final.resolve(), facts, digest.facts(None), live=False, events=[])
+        publish_text(build / INDEX_FILE, index)
+        if (source / TENSORBOARD_DIR).is_dir():
+            shutil.copytree(source / TENSORBOARD_DIR, build / TENSORBOARD_DIR)
+        return UpgradedRun(
+            source=source,
+            destination=final,
+            history_rows=rows,
+            rank=rank_value,
+            interrupted=interrupted,
+            unrecorded=tuple(unrecorded),
+        )
 
 
 def _history_rows(runs: list[tuple[Path, Path, int | None]]) -> int:
