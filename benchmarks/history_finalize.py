@@ -24,12 +24,10 @@ from typing import Any
 
 import numpy as np
 import polars  # noqa: F401  (see _load_finalization)
-import psutil
 import pyarrow as pa
 
-from ti_core.sink import LayerInfo, RunInfo
 from ti_io import DirectorySink, HistoryConfig
-from ti_schema import DEFAULT_METRICS, history_schema
+from ti_schema import DEFAULT_METRICS, LayerInfo, RunInfo, history_schema
 
 LAYERS = 50
 SIGNALS = ("output", "output_gradient")
@@ -61,15 +59,26 @@ def _run_info(layers: list[str]) -> RunInfo:
     )
 
 
-def _sample_batch(sample: int, layers: list[str], rng: np.random.Generator) -> pa.RecordBatch:
+def sample_batch(
+    sample: int,
+    layers: list[str],
+    rng: np.random.Generator,
+    *,
+    rank: int = 0,
+    missing: float = 0.0,
+) -> pa.RecordBatch:
+    """One sample's ``ti.history`` rows: every layer's outputs and output gradients, every
+    default metric, values from ``rng`` (about ``missing`` of them unavailable); written by
+    ``rank``. Also the synthetic runs of tests/test_reading_memory.py and spark_recipe.py."""
     tensors = [(layer, signal) for signal in SIGNALS for layer in layers]
     n = len(tensors) * len(DEFAULT_METRICS)
+    unavailable = rng.random(n) < missing if missing else np.zeros(n, bool)
     layer_col = [t[0] for t in tensors for _ in DEFAULT_METRICS]
     signal_col = [t[1] for t in tensors for _ in DEFAULT_METRICS]
     ts = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(milliseconds=sample)
     arrays = {
-        "run_id": pa.array(["bench"] * n),
-        "rank": pa.array(np.zeros(n, np.int32)),
+        "run_id": pa.array([f"bench-{rank}"] * n),
+        "rank": pa.array(np.full(n, rank, np.int32)),
         "sample_id": pa.array(np.full(n, sample, np.int64)),
         "forward_index": pa.array(np.full(n, sample, np.int64)),
         "timestamp": pa.array([ts] * n, pa.timestamp("us", tz="UTC")),
@@ -83,8 +92,10 @@ def _sample_batch(sample: int, layers: list[str], rng: np.random.Generator) -> p
         "shape": pa.array([[32, 128]] * n, pa.list_(pa.int64())),
         "dtype": pa.array(["float32"] * n),
         "metric": pa.array(list(DEFAULT_METRICS) * len(tensors)),
-        "value": pa.array(rng.normal(size=n)),
-        "unavailable_reason": pa.array([None] * n, pa.string()),
+        "value": pa.array(rng.normal(loc=rank, size=n), mask=unavailable),
+        "unavailable_reason": pa.array(
+            ["no finite entries" if gone else None for gone in unavailable], pa.string()
+        ),
     }
     return pa.RecordBatch.from_arrays(list(arrays.values()), schema=history_schema(PRODUCER))
 
@@ -101,12 +112,14 @@ def run(rows: int = 900_000, *, directory: str | None = None) -> dict[str, Any]:
         sink.open(_run_info(layers))
         written = 0
         for sample in range(samples):
-            batch = _sample_batch(sample, layers, rng)
+            batch = sample_batch(sample, layers, rng)
             if written + batch.num_rows > rows:
                 batch = batch.slice(0, rows - written)
             sink.write_history(batch)
             written += batch.num_rows
         _load_finalization()
+        import psutil  # the bench group's; sample_batch's users (tests, spark) need none
+
         process = psutil.Process()
         time.sleep(0.5)  # let the writer publish what it holds, so close() is measured alone
         baseline = process.memory_info().rss

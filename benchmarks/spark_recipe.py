@@ -27,28 +27,17 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-import pyarrow as pa
+from history_finalize import SIGNALS, sample_batch
 
 from ti_io import DirectorySink, HistoryConfig
-from ti_schema import DEFAULT_METRICS, LayerInfo, RunInfo, history_schema
+from ti_io.read.aggregates import AGGREGATES
+from ti_io.read.ordering import GROUP_KEYS
+from ti_schema import DEFAULT_METRICS, LayerInfo, RunInfo
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reading-at-scale.md"
-KEYS = ["layer", "call_index", "signal", "tensor_path", "mode", "grad_enabled", "metric"]
-NUMBERS = [
-    "latest_sample",
-    "latest",
-    "observations",
-    "unavailable",
-    "mean",
-    "std",
-    "min",
-    "p25",
-    "p50",
-    "p75",
-    "max",
-    "recent_window_mean",
-    "previous_window_mean",
-]
+KEYS = list(GROUP_KEYS)
+NUMBERS = ["latest_sample", "latest", "observations", "unavailable", *AGGREGATES]
+"""``ti summary --csv``'s numbers, which the query reproduces."""
 LAYERS = [f"blocks.{i}" for i in range(20)]
 
 
@@ -60,35 +49,8 @@ def recipe(name: str) -> str:
     return found.group(1)
 
 
-def _batch(rank: int, sample: int, rng: np.random.Generator) -> pa.RecordBatch:
-    keys = [(layer, signal) for signal in ("output", "output_gradient") for layer in LAYERS]
-    n = len(keys) * len(DEFAULT_METRICS)
-    value = rng.normal(loc=rank, size=n)
-    missing = rng.random(n) < 0.02
-    columns = {
-        "run_id": pa.array([f"run-{rank}"] * n),
-        "rank": pa.array(np.full(n, rank, np.int32)),
-        "sample_id": pa.array(np.full(n, sample, np.int64)),
-        "forward_index": pa.array(np.full(n, sample, np.int64)),
-        "timestamp": pa.array([datetime(2026, 1, 1, tzinfo=UTC)] * n, pa.timestamp("us", "UTC")),
-        "layer": pa.array([layer for layer, _ in keys for _ in DEFAULT_METRICS]),
-        "module_type": pa.array(["Linear"] * n),
-        "call_index": pa.array(np.zeros(n, np.int32)),
-        "signal": pa.array([signal for _, signal in keys for _ in DEFAULT_METRICS]),
-        "tensor_path": pa.array([""] * n),
-        "mode": pa.array(["train"] * n),
-        "grad_enabled": pa.array(np.ones(n, bool)),
-        "shape": pa.array([[32, 64]] * n, pa.list_(pa.int64())),
-        "dtype": pa.array(["float32"] * n),
-        "metric": pa.array(list(DEFAULT_METRICS) * len(keys)),
-        "value": pa.array(value, mask=missing),
-        "unavailable_reason": pa.array(["no finite entries" if m else None for m in missing]),
-    }
-    return pa.RecordBatch.from_arrays(list(columns.values()), schema=history_schema("spark"))
-
-
 def write_run(root: Path, ranks: int, rows: int) -> None:
-    per_sample = 2 * len(LAYERS) * len(DEFAULT_METRICS)
+    per_sample = len(SIGNALS) * len(LAYERS) * len(DEFAULT_METRICS)
     for rank in range(ranks):
         info = RunInfo(
             run_id=f"run-{rank}",
@@ -106,7 +68,7 @@ def write_run(root: Path, ranks: int, rows: int) -> None:
         sink.open(info)
         rng = np.random.default_rng(rank)
         for sample in range(max(rows // per_sample, 45)):
-            sink.write_history(_batch(rank, sample, rng))
+            sink.write_history(sample_batch(sample, LAYERS, rng, rank=rank, missing=0.02))
         sink.close()
 
 

@@ -11,6 +11,7 @@ beside DuckDB) are benchmarks/reading.py's, in benchmarks/README.md.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -19,12 +20,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from ti_io import DirectorySink, HistoryConfig
 from ti_io.read.spill import PARTITION_ROWS_VARIABLE
-from ti_schema import DEFAULT_METRICS, LayerInfo, RunInfo, history_schema
+from ti_schema import DEFAULT_METRICS, LayerInfo, RunInfo
 
 pytestmark = pytest.mark.slow
 
@@ -33,29 +33,13 @@ ROWS = 1_200_000
 BOUND = 1.2
 
 
-def _batch(sample: int, rng: np.random.Generator) -> pa.RecordBatch:
-    keys = [(layer, signal) for signal in ("output", "output_gradient") for layer in LAYERS]
-    n = len(keys) * len(DEFAULT_METRICS)
-    columns = {
-        "run_id": pa.array(["r"] * n),
-        "rank": pa.array(np.zeros(n, np.int32)),
-        "sample_id": pa.array(np.full(n, sample, np.int64)),
-        "forward_index": pa.array(np.full(n, sample, np.int64)),
-        "timestamp": pa.array([datetime(2026, 1, 1, tzinfo=UTC)] * n, pa.timestamp("us", "UTC")),
-        "layer": pa.array([layer for layer, _ in keys for _ in DEFAULT_METRICS]),
-        "module_type": pa.array(["Linear"] * n),
-        "call_index": pa.array(np.zeros(n, np.int32)),
-        "signal": pa.array([signal for _, signal in keys for _ in DEFAULT_METRICS]),
-        "tensor_path": pa.array([""] * n),
-        "mode": pa.array(["train"] * n),
-        "grad_enabled": pa.array(np.ones(n, bool)),
-        "shape": pa.array([[32, 64]] * n, pa.list_(pa.int64())),
-        "dtype": pa.array(["float32"] * n),
-        "metric": pa.array(list(DEFAULT_METRICS) * len(keys)),
-        "value": pa.array(rng.normal(size=n)),
-        "unavailable_reason": pa.array([None] * n, pa.string()),
-    }
-    return pa.RecordBatch.from_arrays(list(columns.values()), schema=history_schema("test"))
+_SPEC = importlib.util.spec_from_file_location(
+    "history_finalize", Path(__file__).resolve().parents[1] / "benchmarks" / "history_finalize.py"
+)
+assert _SPEC is not None
+assert _SPEC.loader is not None
+history_finalize = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(history_finalize)
 
 
 def _build(root: Path, rows: int) -> tuple[Path, Path]:
@@ -77,7 +61,7 @@ def _build(root: Path, rows: int) -> tuple[Path, Path]:
     rng = np.random.default_rng(0)
     per_sample = 2 * len(LAYERS) * len(DEFAULT_METRICS)
     for sample in range(rows // per_sample):
-        sink.write_history(_batch(sample, rng))
+        sink.write_history(history_finalize.sample_batch(sample, LAYERS, rng))
     sink.flush()
     shutil.copytree(run, killed, copy_function=os.link)
     sink.close()

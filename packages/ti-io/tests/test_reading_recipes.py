@@ -16,26 +16,15 @@ from s3_server import S3Store
 
 from ti_io import DirectorySink, HistoryConfig
 from ti_io.cli import main
+from ti_io.read.aggregates import AGGREGATES
+from ti_io.read.ordering import GROUP_KEYS
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "reading-at-scale.md"
 RANKS = 3
 SAMPLES = 55  # past both windows (20 and 40 observations)
-KEYS = ["layer", "call_index", "signal", "tensor_path", "mode", "grad_enabled", "metric"]
-NUMBERS = [
-    "latest_sample",
-    "latest",
-    "observations",
-    "unavailable",
-    "mean",
-    "std",
-    "min",
-    "p25",
-    "p50",
-    "p75",
-    "max",
-    "recent_window_mean",
-    "previous_window_mean",
-]
+KEYS = list(GROUP_KEYS)
+NUMBERS = ["latest_sample", "latest", "observations", "unavailable", *AGGREGATES]
+"""``ti summary --csv``'s numbers, which the query reproduces."""
 
 
 def recipe(name: str) -> str:
