@@ -54,6 +54,8 @@ def _event(rank: int, event_id: int, forward: int, seconds: float, layer: str) -
         "value": None,
         "dense_first_forward": forward + 1,
         "dense_forwards": 8,
+        "replay": "reproduced",
+        "replay_reason": f"made by {layer}'s own output on rank {rank}",
     }
     schema = events_schema("ti-dist tests")
     return pa.table({k: [v] for k, v in row.items()}, schema=schema).to_batches()[0]

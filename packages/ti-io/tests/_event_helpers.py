@@ -28,6 +28,8 @@ def event_batch(
     value: float | None = None,
     dense_forwards: int = 4,
     seconds: float = 0.0,
+    replay: str | None = None,
+    replay_reason: str | None = None,
 ) -> pa.RecordBatch:
     """One event row. A nonfinite event names ``layers[0]`` as its first module; manual and
     loss events have no module."""
@@ -50,6 +52,8 @@ def event_batch(
         "value": value,
         "dense_first_forward": forward_index + 1,
         "dense_forwards": dense_forwards,
+        "replay": replay if nonfinite else None,
+        "replay_reason": replay_reason if nonfinite else None,
     }
     schema = events_schema(PRODUCER)
     return pa.table({k: [v] for k, v in row.items()}, schema=schema).to_batches()[0]

@@ -374,3 +374,30 @@ def test_overwrite_removes_a_previous_runs_event_parts(
     assert list_parts(tmp_path / EVENT_PARTS) == []
     again.close()
     assert read_events(tmp_path).num_rows == 0
+
+
+def test_events_of_contract_1_4_read_with_null_replay_columns(tmp_path: Path) -> None:
+    """A run finalized before contract 1.5 has no ``replay`` / ``replay_reason``: its events
+    read with nulls there, its result.json events without the keys, and it validates."""
+    batch = event_batch(0, replay="reproduced", replay_reason="made by encoder.1")
+    old = pa.Table.from_batches([batch]).drop_columns(["replay", "replay_reason"])
+    doc = json.loads(old.schema.metadata[b"ti"])
+    doc["schema_version"] = "1.4"
+    old = old.replace_schema_metadata({b"ti": json.dumps(doc).encode()})
+    run = tmp_path / "run"
+    (run / EVENT_PARTS).mkdir(parents=True)
+    (run / HISTORY_PARTS).mkdir()
+    pq.write_table(old, run / EVENT_PARTS / "part-000000.parquet")
+    events = read_events(run)
+    assert events.column("replay").to_pylist() == [None]
+    assert events.column("replay_reason").to_pylist() == [None]
+    assert events.column("layer").to_pylist() == ["encoder.1"]
+    from ti_io.read.events import describe_event, event_records
+
+    record = event_records(events)[0]
+    assert "replay" not in record
+    assert "replay" not in describe_event(record)
+    fresh = event_records(pa.Table.from_batches([batch]))[0]
+    assert (fresh["replay"], fresh["replay_reason"]) == ("reproduced", "made by encoder.1")
+    assert "replay reproduced (made by encoder.1)" in describe_event(fresh)
+    validate_events(old, metadata=old.schema.metadata)

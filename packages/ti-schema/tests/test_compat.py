@@ -29,10 +29,10 @@ def at_version(table: pa.Table, version: str) -> pa.Table:
 
 
 def test_schema_version_is_parsable_and_known() -> None:
-    assert parse_version(SCHEMA_VERSION) == (1, 4)
-    assert ti_schema.KNOWN_VERSIONS["ti.history"] == ("1.0", "1.1", "1.2", "1.3", "1.4")
-    assert ti_schema.KNOWN_VERSIONS["ti.histograms"] == ("1.0", "1.1", "1.2", "1.3", "1.4")
-    assert ti_schema.KNOWN_VERSIONS["ti.events"] == ("1.3", "1.4")
+    assert parse_version(SCHEMA_VERSION) == (1, 5)
+    assert ti_schema.KNOWN_VERSIONS["ti.history"] == ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5")
+    assert ti_schema.KNOWN_VERSIONS["ti.histograms"] == ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5")
+    assert ti_schema.KNOWN_VERSIONS["ti.events"] == ("1.3", "1.4", "1.5")
 
 
 @pytest.mark.parametrize("bad", ["1", "1.0.0", "01.0", "1.x", " 1.0", "", 1.0])
@@ -43,7 +43,7 @@ def test_parse_version_refuses_anything_but_major_minor(bad: Any) -> None:
 
 def test_parse_metadata_reads_every_carrier() -> None:
     table = example_history_table(producer="acme-sink 3.1")
-    expected = {"schema": "ti.history", "schema_version": "1.4", "producer": "acme-sink 3.1"}
+    expected = {"schema": "ti.history", "schema_version": "1.5", "producer": "acme-sink 3.1"}
     assert parse_metadata(table) == expected
     assert parse_metadata(table.schema) == expected
     assert parse_metadata(table.to_batches()[0]) == expected
@@ -66,7 +66,7 @@ def test_default_producer_names_the_distribution() -> None:
     assert producer.startswith("ti-schema ")
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2", "1.3", "1.4", "1.17"])
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.17"])
 def test_same_major_is_compatible(version: str) -> None:
     table = at_version(example_history_table(), version)
     assert check_compatible(table) == parse_version(version)
@@ -83,7 +83,7 @@ def test_another_major_is_refused_naming_the_known_versions(version: str, advice
         check_compatible(table)
     message = str(info.value)
     assert f"ti.history {version} cannot be read" in message
-    assert "this reader knows ti.history 1.x (1.0, 1.1, 1.2, 1.3, 1.4)" in message
+    assert "this reader knows ti.history 1.x (1.0, 1.1, 1.2, 1.3, 1.4, 1.5)" in message
     assert advice in message
     with pytest.raises(SchemaMismatchError) as info:
         validate_history(table.drop_columns(["layer"]))
@@ -94,7 +94,7 @@ def test_another_major_is_refused_naming_the_known_versions(version: str, advice
 def test_check_compatible_refuses_foreign_and_missing_metadata() -> None:
     with pytest.raises(SchemaMismatchError, match=r"describes schema 'ti\.history'"):
         check_compatible(example_history_table(), "ti.histograms")
-    assert check_compatible(example_histogram_table(), "ti.histograms") == (1, 4)
+    assert check_compatible(example_histogram_table(), "ti.histograms") == (1, 5)
     with pytest.raises(SchemaMismatchError) as info:
         check_compatible(pa.schema([]))
     assert info.value.kinds == {"missing_metadata"}
@@ -109,19 +109,19 @@ def test_schema_names_outside_the_contract_are_refused() -> None:
 
 
 def test_newer_minor_may_add_nullable_columns() -> None:
-    table = at_version(example_history_table(), "1.5")
+    table = at_version(example_history_table(), "1.6")
     grown = table.append_column(
         pa.field("device", pa.string()), pa.nulls(table.num_rows, pa.string())
     )
     validate_history(grown)
     validate_history(grown.schema)
     with pytest.raises(SchemaMismatchError) as info:
-        validate_history(at_version(grown, "1.4"))
-    assert "column 'device': is not part of ti.history 1.4" in str(info.value)
+        validate_history(at_version(grown, "1.5"))
+    assert "column 'device': is not part of ti.history 1.5" in str(info.value)
 
 
 def test_newer_minor_may_not_add_not_null_columns() -> None:
-    table = at_version(example_history_table(), "1.5")
+    table = at_version(example_history_table(), "1.6")
     field = pa.field("device", pa.string(), nullable=False)
     grown = table.append_column(field, pa.array(["cpu"] * table.num_rows))
     with pytest.raises(SchemaMismatchError) as info:
@@ -131,31 +131,31 @@ def test_newer_minor_may_not_add_not_null_columns() -> None:
 
 
 def test_newer_minor_may_not_drop_or_retype_columns() -> None:
-    table = at_version(example_history_table(), "1.5").drop_columns(["dtype"])
+    table = at_version(example_history_table(), "1.6").drop_columns(["dtype"])
     with pytest.raises(SchemaMismatchError) as info:
         validate_history(table)
     assert info.value.kinds == {"missing_column"}
 
 
 def test_histograms_follow_the_same_rule() -> None:
-    table = at_version(example_histogram_table(), "1.5")
+    table = at_version(example_histogram_table(), "1.6")
     validate_histograms(
         table.append_column(pa.field("p99", pa.float64()), pa.nulls(6, pa.float64()))
     )
-    known = r"knows ti.histograms 1.x \(1.0, 1.1, 1.2, 1.3, 1.4\)"
+    known = r"knows ti.histograms 1.x \(1.0, 1.1, 1.2, 1.3, 1.4, 1.5\)"
     with pytest.raises(SchemaMismatchError, match=known):
         validate_histograms(at_version(table, "3.0"))
 
 
 def test_older_minor_may_lack_the_columns_added_after_it() -> None:
-    # A hypothetical 1.5 reader whose contract added a nullable `device` column in 1.5.
+    # A hypothetical 1.6 reader whose contract added a nullable `device` column in 1.6.
     base = ti_schema.history_schema("test")
     grown = base.append(pa.field("device", pa.string()))
-    reader = Contract("ti.history", grown, version=(1, 5), added_in={"device": 5})
-    old = example_history_table()  # written at 1.4, no device column
+    reader = Contract("ti.history", grown, version=(1, 6), added_in={"device": 6})
+    old = example_history_table()  # written at 1.5, no device column
     assert problems_for(old, reader) == []
-    at_15 = at_version(old, "1.5")
-    assert [m.kind for m in problems_for(at_15, reader)] == ["missing_column"]
+    at_16 = at_version(old, "1.6")
+    assert [m.kind for m in problems_for(at_16, reader)] == ["missing_column"]
     assert [m.kind for m in problems_for(old.replace_schema_metadata(None), reader)] == [
         "missing_metadata",
         "missing_column",
@@ -175,7 +175,7 @@ def test_run_facts_are_optional_metadata_keys_of_1_1() -> None:
     assert doc["unrecorded"] == ["run_id", "mode", "grad_enabled"]  # contract order
     table = example_history_table().replace_schema_metadata(schema.metadata)
     validate_history(table)
-    assert check_compatible(table) == (1, 4)
+    assert check_compatible(table) == (1, 5)
     # a 1.0 file has none of them and stays readable
     assert "window" not in parse_metadata(ti_schema.history_schema())
     validate_history(at_version(example_history_table(), "1.0"))
@@ -234,7 +234,7 @@ def test_parameter_signals_are_values_of_1_2() -> None:
     assert set(table.column("signal").to_pylist()) == set(ti_schema.SIGNALS)
     assert set(table.column("tensor_path").to_pylist()) == {"", "weight", "bias"}
     validate_history(table)
-    validate_history(at_version(table, "1.5"))
+    validate_history(at_version(table, "1.6"))
     for old in ("1.0", "1.1"):
         with pytest.raises(SchemaMismatchError) as info:
             validate_history(at_version(table, old))
@@ -257,7 +257,7 @@ def test_unknown_signals_are_refused_up_to_this_reader_and_accepted_beyond() -> 
     )
     with pytest.raises(SchemaMismatchError, match=r"holds \['module_input'\]; allowed values"):
         validate_history(renamed)
-    validate_history(at_version(renamed, "1.5"))  # a newer minor may add signal values
+    validate_history(at_version(renamed, "1.6"))  # a newer minor may add signal values
     histograms = at_version(example_histogram_table(), "1.1")
     bad = histograms.set_column(
         histograms.schema.get_field_index("signal"),

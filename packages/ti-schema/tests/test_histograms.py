@@ -50,7 +50,7 @@ def test_history_table_is_not_a_histogram_table() -> None:
     text = problems(example_history_table())
     assert "describes schema 'ti.history', not 'ti.histograms'" in text
     assert "column 'bucket_limits': is missing" in text
-    assert "column 'metric': is not part of ti.histograms 1.4" in text
+    assert "column 'metric': is not part of ti.histograms 1.5" in text
 
 
 def test_bucket_lists_must_have_equal_lengths() -> None:

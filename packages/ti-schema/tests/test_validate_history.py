@@ -73,7 +73,7 @@ def test_missing_column_names_it_and_its_expected_type(table: pa.Table) -> None:
 def test_extra_column_is_refused_at_the_same_minor(table: pa.Table) -> None:
     error = errors_of(table.append_column("loss", pa.array([0.5] * table.num_rows)))
     assert [m.kind for m in error.mismatches] == ["extra_column"]
-    assert "column 'loss': is not part of ti.history 1.4" in str(error)
+    assert "column 'loss': is not part of ti.history 1.5" in str(error)
 
 
 def test_duplicate_column_is_reported(table: pa.Table) -> None:

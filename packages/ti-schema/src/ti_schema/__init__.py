@@ -17,7 +17,15 @@ from ti_schema.compat import (
 )
 from ti_schema.cost import COST_METHOD, RunCost
 from ti_schema.errors import MISMATCH_KINDS, Mismatch, MismatchKind, SchemaMismatchError
-from ti_schema.events import EVENT_COLUMNS, EVENT_KINDS, EventKind, empty_events, events_schema
+from ti_schema.events import (
+    EVENT_COLUMNS,
+    EVENT_KINDS,
+    REPLAY_VERDICTS,
+    EventKind,
+    ReplayVerdict,
+    empty_events,
+    events_schema,
+)
 from ti_schema.interop import footer_metadata, large_types, polars_write_options
 from ti_schema.metrics import (
     COMBINE_RULES,
@@ -95,6 +103,7 @@ __all__ = [
     "EVENTS",
     "EVENT_COLUMNS",
     "EVENT_KINDS",
+    "REPLAY_VERDICTS",
     "FINITE_METRICS",
     "FRACTION_METRICS",
     "FULL_PRECISION_PROFILE",
@@ -123,6 +132,7 @@ __all__ = [
     "Combine",
     "DeclaresCapabilities",
     "EventKind",
+    "ReplayVerdict",
     "LayerInfo",
     "MetricProfile",
     "MetricSpec",

@@ -29,9 +29,9 @@ from ti_schema.schemas import (
 from ti_schema.version import SCHEMA_MAJOR, SCHEMA_VERSION
 
 KNOWN_VERSIONS: Final[dict[SchemaName, tuple[str, ...]]] = {
-    HISTORY: ("1.0", "1.1", "1.2", "1.3", SCHEMA_VERSION),
-    HISTOGRAMS: ("1.0", "1.1", "1.2", "1.3", SCHEMA_VERSION),
-    EVENTS: ("1.3", SCHEMA_VERSION),
+    HISTORY: ("1.0", "1.1", "1.2", "1.3", "1.4", SCHEMA_VERSION),
+    HISTOGRAMS: ("1.0", "1.1", "1.2", "1.3", "1.4", SCHEMA_VERSION),
+    EVENTS: ("1.3", "1.4", SCHEMA_VERSION),
 }
 """Every contract version this reader was written against, per schema name."""
 

@@ -13,6 +13,15 @@ Kinds (:data:`EVENT_KINDS`):
   says why.
 - ``loss``: a trainer callback saw the loss go non-finite or spike; ``value`` is that loss.
 
+A ``nonfinite`` event of the sentinel's replay mode (contract 1.5) carries the verdict of
+replaying its step (:data:`REPLAY_VERDICTS`, column ``replay``; why, in ``replay_reason``):
+``reproduced`` (real numerics: ``layer`` names the first module that made the non-finite value,
+or the root when it came in with the batch), ``not_reproduced`` (the step's own result was not
+finite but the replay is clean: a transient fault of the device or a non-deterministic
+kernel), ``from_another_rank`` (the replay of this rank's own computation is clean while its
+gradients, reduced across ranks, were not) or ``not_replayable`` (why not). Null for manual and
+loss events, for the dense mode's, and in files of contract 1.3 and 1.4.
+
 Every event asks for a dense capture: the ``dense_forwards`` root forwards from
 ``dense_first_forward`` on are sampled whatever the sampler says. Their history rows are the
 ones whose ``forward_index`` lies in that range on the event's rank (docs/data-contract.md has
@@ -33,6 +42,10 @@ EVENT_KINDS: Final[tuple[EventKind, ...]] = get_args(EventKind)
 
 EVENT_SIGNALS: Final[tuple[str, ...]] = ("output", "output_gradient")
 """What a ``nonfinite`` event's ``signal`` may say (null for the other kinds)."""
+
+ReplayVerdict = Literal["reproduced", "not_reproduced", "from_another_rank", "not_replayable"]
+REPLAY_VERDICTS: Final[tuple[ReplayVerdict, ...]] = get_args(ReplayVerdict)
+"""Every value of the ``replay`` column (contract 1.5; null where no replay ran)."""
 
 # (name, type, nullable, one-line doc)
 _EVENT_COLUMNS: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
@@ -89,7 +102,25 @@ _EVENT_COLUMNS: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
         False,
         "root forwards sampled in full from dense_first_forward on (fewer when the run ended)",
     ),
+    (
+        "replay",
+        pa.string(),
+        True,
+        "nonfinite, replay mode: 'reproduced', 'not_reproduced', 'from_another_rank' or "
+        "'not_replayable' (contract 1.5); null for other events",
+    ),
+    (
+        "replay_reason",
+        pa.string(),
+        True,
+        "what the replay found, in words (which tensor, which rank and device, why not "
+        "replayable); null with replay",
+    ),
 )
+"""Columns added after 1.3 come last, with the minor that added them in :data:`ADDED_IN`."""
+
+ADDED_IN: Final[dict[str, int]] = {"replay": 5, "replay_reason": 5}
+"""The contract minor that added each ``ti.events`` column after the table's own (1.3)."""
 
 EVENT_COLUMNS: Final[tuple[str, ...]] = tuple(c[0] for c in _EVENT_COLUMNS)
 
@@ -109,10 +140,13 @@ def empty_events(producer: str | None = None) -> pa.Table:
 
 
 __all__ = [
+    "ADDED_IN",
     "EVENT_COLUMNS",
     "EVENT_KINDS",
     "EVENT_SIGNALS",
+    "REPLAY_VERDICTS",
     "EventKind",
+    "ReplayVerdict",
     "empty_events",
     "events_schema",
 ]

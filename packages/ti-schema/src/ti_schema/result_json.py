@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ti_schema.errors import Mismatch, SchemaMismatchError
-from ti_schema.events import EVENT_KINDS, EVENT_SIGNALS
+from ti_schema.events import EVENT_KINDS, EVENT_SIGNALS, REPLAY_VERDICTS
 from ti_schema.names import MODES
 from ti_schema.signals import SIGNAL_DECLARATION, SignalDeclaration
 from ti_schema.version import SCHEMA_VERSION
@@ -43,6 +43,8 @@ EVENT_KEYS: Final[tuple[str, ...]] = (
     "dense_forwards",
 )
 """The keys of an event object (a ``ti.events`` row without its ids and ``tensor_paths``)."""
+OPTIONAL_EVENT_KEYS: Final[tuple[str, ...]] = ("replay", "replay_reason")
+"""Keys an event object may have (contract 1.5: the replay's verdict)."""
 TENSOR_KEYS: Final[tuple[str, ...]] = (
     "call_index",
     "signal",
@@ -123,6 +125,8 @@ def result_json_schema(signals: SignalDeclaration = SIGNAL_DECLARATION) -> dict[
                     "value": {"type": ["number", "null"]},
                     "dense_first_forward": {"type": "integer"},
                     "dense_forwards": _COUNT,
+                    "replay": {"enum": [*REPLAY_VERDICTS, None]},
+                    "replay_reason": _NULLABLE_STRING,
                 },
             },
             "tensor": {
@@ -272,13 +276,15 @@ class _Walker:
             self.add(path, f"expected an integer{floor}, got {value!r}")
 
     def event(self, value: Any, path: str) -> None:
-        record = self.obj(value, path, EVENT_KEYS)
+        record = self.obj(value, path, EVENT_KEYS, OPTIONAL_EVENT_KEYS)
         if record is None:
             return
         self.enum(record, "kind", path, EVENT_KINDS)
         if "signal" in record and record["signal"] is not None:
             self.enum(record, "signal", path, EVENT_SIGNALS)
-        for key in ("layer", "module_type", "tensor_path", "reason"):
+        if record.get("replay") is not None:
+            self.enum(record, "replay", path, REPLAY_VERDICTS)
+        for key in ("layer", "module_type", "tensor_path", "reason", "replay_reason"):
             self.string(record, key, path, nullable=True)
         self.string(record, "timestamp", path)
         for key, minimum in (

@@ -21,7 +21,8 @@ import pyarrow.compute as pc
 
 from ti_schema.compat import MetadataSource, read_metadata, version_problems
 from ti_schema.errors import Mismatch, SchemaMismatchError
-from ti_schema.events import EVENT_KINDS, EVENT_SIGNALS, events_schema
+from ti_schema.events import ADDED_IN as EVENT_COLUMNS_ADDED_IN
+from ti_schema.events import EVENT_KINDS, EVENT_SIGNALS, REPLAY_VERDICTS, events_schema
 from ti_schema.metrics import MetricProfile
 from ti_schema.names import MODES
 from ti_schema.precision import metric_name_problem
@@ -561,6 +562,8 @@ def _event_rules(
         problems += _domain(table, "kind", EVENT_KINDS)
     if "signal" in usable:
         problems += _domain(table, "signal", EVENT_SIGNALS)
+    if "replay" in usable:
+        problems += _domain(table, "replay", REPLAY_VERDICTS)
     problems += _negative(table, usable, ("rank", "event_id", "dense_forwards"))
     if {"kind", "signal", "layer"} <= usable and table.num_rows:
         nonfinite = pc.equal(table.column("kind").cast(pa.large_string()), "nonfinite")
@@ -602,7 +605,7 @@ HISTOGRAMS_CONTRACT: Final[Contract] = Contract(
     HISTOGRAMS, histogram_schema("ti-schema"), data_rules=_histogram_rules
 )
 EVENTS_CONTRACT: Final[Contract] = Contract(
-    EVENTS, events_schema("ti-schema"), data_rules=_event_rules
+    EVENTS, events_schema("ti-schema"), added_in=EVENT_COLUMNS_ADDED_IN, data_rules=_event_rules
 )
 """``ti.events`` exists from contract 1.3 on; data of an older version has no events table."""
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from ti_schema import EventKind
+from ti_schema import EventKind, ReplayVerdict
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class Event:
     tensor_paths: tuple[str, ...] = ()
     reason: str | None = None
     value: float | None = None
+    replay: ReplayVerdict | None = None
+    """The replay's verdict (replay mode's ``nonfinite`` events; contract 1.5)."""
+    replay_reason: str | None = None
 
     @property
     def layer(self) -> str | None:
@@ -53,6 +56,8 @@ def event_batch(event: Event, schema: pa.Schema, run_id: str, rank: int) -> pa.R
         "value": [event.value],
         "dense_first_forward": [event.dense_first_forward],
         "dense_forwards": [event.dense_forwards],
+        "replay": [event.replay],
+        "replay_reason": [event.replay_reason],
     }
     arrays = [pa.array(columns[f.name], type=f.type) for f in schema]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)

@@ -328,6 +328,12 @@ def _event_lines(index: int, event: Mapping[str, Any]) -> list[str]:
         lines.append(f"    reason: {literal(str(event['reason']))}")
     if event.get("value") is not None:
         lines.append(f"    value: {event['value']!r}")
+    if event.get("replay") is not None:
+        because = event.get("replay_reason")
+        lines.append(
+            f"    replay: {literal(str(event['replay']))}"
+            + (f" ({literal(str(because))})" if because else "")
+        )
     dense = (
         f"forwards {first} .. {first + count - 1} ({count} root forwards, sampled in full)"
         if count > 0

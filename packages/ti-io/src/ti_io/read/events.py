@@ -30,23 +30,28 @@ from ti_schema.layout import (
     list_parts,
     list_rank_dirs,
 )
-from ti_schema.result_json import EVENT_KEYS
+from ti_schema.result_json import EVENT_KEYS, OPTIONAL_EVENT_KEYS
 
 if TYPE_CHECKING:
     import polars as pl
 
-EVENT_SUMMARY_KEYS: tuple[str, ...] = EVENT_KEYS
+EVENT_SUMMARY_KEYS: tuple[str, ...] = (*EVENT_KEYS, *OPTIONAL_EVENT_KEYS)
 """The keys of each event in result.json (and of :func:`event_records`), in order."""
 
 
 def read_event_file(path: Path) -> pa.Table:
     """One events file (``events.parquet`` or a part), every page verified, in the contract's
-    column order. DamagedFileError naming the file when it is damaged."""
+    column order; a column a file of an older minor lacks (``replay``, ``replay_reason``:
+    1.5) is read as nulls. DamagedFileError naming the file when it is damaged."""
     with open_verified(path) as source:
         try:
             table = source.read(use_threads=False)
         except (OSError, pa.ArrowException) as exc:
             raise read_error(path, exc) from None
+    schema = events_schema()
+    for field in schema:
+        if field.name not in table.column_names:
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
     return table.select(list(EVENT_COLUMNS))
 
 
@@ -125,12 +130,17 @@ def _json_value(value: Any) -> Any:
 
 def event_records(table: pa.Table) -> list[dict[str, Any]]:
     """One dict per event with the keys of :data:`EVENT_SUMMARY_KEYS` (timestamps as ISO
-    8601 strings; a non-finite ``value`` as null): what result.json and index.md show."""
+    8601 strings; a non-finite ``value`` as null; the optional ``replay`` keys only where a
+    replay ran): what result.json and index.md show."""
     if not table.num_rows:
         return []
     records = []
     for row in table.select(list(EVENT_SUMMARY_KEYS)).to_pylist():
-        record = {key: _json_value(row[key]) for key in EVENT_SUMMARY_KEYS}
+        record = {
+            key: _json_value(row[key])
+            for key in EVENT_SUMMARY_KEYS
+            if key in EVENT_KEYS or row["replay"] is not None
+        }
         value = record["value"]
         if isinstance(value, float) and (value != value or value in (float("inf"), -float("inf"))):
             record["value"] = None  # strict JSON; the exact value stays in events.parquet
@@ -162,6 +172,9 @@ def describe_event(event: Mapping[str, Any]) -> str:
     if event.get("value") is not None:
         words.append(f"value {event['value']!r}")
     words.append(f"rank {event['rank']}")
+    if event.get("replay") is not None:
+        because = event.get("replay_reason")
+        words.append(f"replay {event['replay']}" + (f" ({because})" if because else ""))
     first, count = event.get("dense_first_forward"), event.get("dense_forwards")
     if count and first is not None:
         words.append(f"dense forwards {first}..{int(first) + int(count) - 1}")
