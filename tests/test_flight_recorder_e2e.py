@@ -134,18 +134,43 @@ WORKER = MODEL + textwrap.dedent(
 )
 
 
+DDP_WORKER = MODEL + textwrap.dedent(
+    """
+    import sys
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from ti_core import EveryNForwardsSampler, inject_observer, remove_observer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = Net()
+    model = DistributedDataParallel(net)
+    # the default sentinel: replay mode
+    inject_observer(
+        model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(10**9), rank_policy="all"
+    )
+    shard = torch.Generator().manual_seed(100 + rank)
+    for step in range(6):
+        net.shift = -100.0 if (rank == 1 and step == 2) else 1.0  # rank 1's batch 2 breaks
+        model.zero_grad()
+        model(torch.rand(16, 4, generator=shard)).sum().backward()  # DDP all-reduces
+    remove_observer(model)
+    dist.destroy_process_group()
+    """
+)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_only_rank_1_goes_non_finite_and_ti_dist_names_it(tmp_path: Path) -> None:
-    out = tmp_path / "job"
+def _two_ranks(tmp_path: Path, worker: str, out: Path) -> None:
+    """Run ``worker`` as ranks 0 and 1 of a gloo job writing to ``out``; both must succeed."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(worker)
     port = str(_free_port())
     procs = []
     for rank in range(2):
@@ -175,9 +200,42 @@ def test_only_rank_1_goes_non_finite_and_ti_dist_names_it(tmp_path: Path) -> Non
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], json.dumps(logs)
 
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_only_rank_1_goes_non_finite_and_ti_dist_names_it(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    _two_ranks(tmp_path, WORKER, out)
     assert read_events(out / "rank-000").num_rows == 0  # an empty table, not a missing file
     assert (out / "rank-000" / EVENTS_FILE).is_file()
     first = first_event(out)
     assert first is not None
     assert (first["rank"], first["forward_index"], first["layer"]) == (1, 2, "log")
     assert events_across_ranks(out)["rank"].to_list() == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_the_rank_that_made_the_nan_reproduces_it_the_other_is_told_it_came_from_there(
+    tmp_path: Path,
+) -> None:
+    """DDP on two gloo ranks, only rank 1's batch poisoned at step 2: its forward is not
+    finite and its replay reproduces it, naming the module; rank 0's forward is clean, its
+    gradients (averaged with rank 1's) are not, and its own replay is clean: the NaN came from
+    another rank, not from its device."""
+    out = tmp_path / "job"
+    _two_ranks(tmp_path, DDP_WORKER, out)
+    (made,) = read_events(out / "rank-001").to_pylist()
+    assert (made["signal"], made["forward_index"], made["replay"]) == ("output", 2, "reproduced")
+    assert (made["layer"], made["module_type"]) == ("log", "Log")
+    (arrived,) = read_events(out / "rank-000").to_pylist()
+    assert (arrived["signal"], arrived["forward_index"]) == ("output_gradient", 2)
+    assert arrived["replay"] == "from_another_rank"
+    assert "rank 0, device cpu" in arrived["replay_reason"]
+    # the event names the gradient the check saw non-finite: out's weight (its input was NaN
+    # on rank 1; log's backward divides by a finite value, so inp's stayed finite)
+    assert (arrived["layer"], arrived["tensor_path"]) == ("out", "weight.grad")
+    assert arrived["layers"] == ["out"]
+    first = first_event(out)
+    assert first is not None
+    assert (first["rank"], first["replay"], first["layer"]) == (1, "reproduced", "log")

@@ -1,4 +1,6 @@
-"""The flight recorder: the non-finite sentinel, its events and the dense capture they set off.
+"""The flight recorder's dense mode (``Sentinel(mode="dense")``: every selected module checked
+on every root forward): the non-finite sentinel, its events and the dense capture they set off.
+Replay mode, the default, is test_sentinel_replay.py.
 
 Real models and real training steps; events and rows read back from a MemorySink. The flags'
 exactness is checked against numpy's ``isfinite`` on tensors with non-finite entries at every
@@ -7,6 +9,7 @@ position class (and finite extremes that would overflow a plain sum).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -124,6 +127,12 @@ def model_in(model: nn.Module) -> int:
 
 
 def _attach(model: nn.Module, sink: MemorySink, **options: object) -> None:
+    """Observe ``model``; a sentinel (True, or Sentinel(...) without a mode) in dense mode."""
+    sentinel = options.get("sentinel")
+    if sentinel is True:
+        options["sentinel"] = Sentinel(mode="dense")
+    elif isinstance(sentinel, Sentinel):
+        options["sentinel"] = dataclasses.replace(sentinel, mode="dense")
     ti_core.inject_observer(
         model, sink=sink, output_dir=None, sampler=EveryNForwardsSampler(NEVER), **options
     )

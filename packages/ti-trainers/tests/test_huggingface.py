@@ -1,6 +1,7 @@
 """HFObserverCallback in a real ``transformers.Trainer`` on the CPU, on a tiny GPT-2 built from a
 config (nothing downloaded): gradient accumulation, gradient checkpointing, evaluation during
-training, and a Trainer that raises."""
+training, a Trainer that raises, and the default flight recorder naming a poisoned attention
+projection."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from transformers import (
 )
 
 from ti_core import AlwaysSampler
+from ti_io import read_events
 from ti_schema.testing import assert_artifact_dir_conforms
 from ti_trainers import HFObserverCallback
 
@@ -161,3 +163,62 @@ def test_after_an_exception_remove_finalizes_and_unhooks(tmp_path: Path) -> None
     assert_clean(model, before)
     assert_artifact_dir_conforms(tmp_path / "out" / "stats")
     assert history(tmp_path / "out" / "stats").get_column("forward_index").unique().to_list() == [0]
+
+
+class PoisonAttention(TrainerCallback):
+    """From optimizer step ``first`` on, block 1's attention projection (``c_attn``) returns
+    an infinity: what a bad kernel or an overflow there would do, in every call, replays
+    included."""
+
+    def __init__(self, model: GPT2LMHeadModel, first: int) -> None:
+        self.on = False
+        self.first = first
+        self.handle = model.transformer.h[1].attn.c_attn.register_forward_hook(self.poison)
+
+    def poison(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        if not self.on:
+            return None
+        output = output.clone()
+        output[..., 0] = float("inf")
+        return output
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.on = state.global_step >= self.first
+
+
+def test_the_default_sentinel_names_a_poisoned_attention_projection_of_gpt2(
+    tmp_path: Path,
+) -> None:
+    """GPT-2 from a config with SDPA attention, trained by the Trainer with the callback's
+    defaults: the sentinel is on, detects at the root, and its replay names the projection."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    model = GPT2LMHeadModel(config)
+    poison = PoisonAttention(model, first=2)
+    callback = HFObserverCallback()
+    trainer = Trainer(
+        model=model,
+        args=arguments(tmp_path / "out", max_steps=4),
+        train_dataset=token_rows(8),
+        callbacks=[callback, poison],
+    )
+    trainer.train()
+    poison.handle.remove()
+    stats = tmp_path / "out" / "stats"
+    assert_artifact_dir_conforms(stats)
+    (event,) = read_events(stats).to_pylist()
+    assert (event["kind"], event["signal"], event["forward_index"]) == ("nonfinite", "output", 2)
+    assert (event["replay"], event["layer"], event["module_type"]) == (
+        "reproduced",
+        "transformer.h.1.attn.c_attn",
+        "Conv1D",
+    )

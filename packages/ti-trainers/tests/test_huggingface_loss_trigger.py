@@ -91,7 +91,10 @@ def test_a_spike_and_a_nan_loss_record_loss_events_and_dense_captures(
     says NaN and the non-finite test fires; with the Trainer's default filter the log holds the
     running mean instead and only the spike is seen."""
     model = SpikyRegressor({12: 50.0, 18: math.nan})
-    callback = HFObserverCallback(sampler=EveryNForwardsSampler(1000), loss_trigger=True)
+    # the loss trigger alone: the sentinel (on by default) would see the NaN output too
+    callback = HFObserverCallback(
+        sampler=EveryNForwardsSampler(1000), loss_trigger=True, sentinel=False
+    )
     state = train(tmp_path / "out", model, callback, logging_nan_inf_filter=nan_filter)
     stats = tmp_path / "out" / "stats"
     assert callback.output_dir == stats
@@ -128,7 +131,9 @@ def test_evaluation_logs_are_not_training_losses(tmp_path: Path) -> None:
     loss records nothing."""
     model = SpikyRegressor({})
     detector = LossSpike(window=4, min_history=2)
-    callback = HFObserverCallback(output_dir=tmp_path / "stats", loss_trigger=detector)
+    callback = HFObserverCallback(
+        output_dir=tmp_path / "stats", loss_trigger=detector, sentinel=False
+    )
     assert callback.loss_trigger is detector
     nan_rows = [{"x": torch.full((4,), math.nan), "labels": torch.zeros(1)}] * 4
     args = TrainingArguments(

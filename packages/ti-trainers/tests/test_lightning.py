@@ -1,5 +1,6 @@
 """LightningObserverCallback in real ``lightning.Trainer`` runs on the CPU: one process with
-validation and a TensorBoardLogger, a fit that raises, and DDP with two gloo processes."""
+validation and a TensorBoardLogger, a fit that raises, the default flight recorder naming the
+module that broke, and DDP with two gloo processes."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ti_core import AlwaysSampler
+from ti_io import read_events
 from ti_schema.testing import assert_artifact_dir_conforms
 from ti_trainers import LightningObserverCallback
 
@@ -130,6 +132,45 @@ def test_a_fit_that_raises_still_finalizes_and_unhooks(tmp_path: Path) -> None:
     assert_artifact_dir_conforms(stats)  # consolidated: not only parts
     rows = history(stats)
     assert sorted(rows.get_column("forward_index").unique().to_list()) == [0, 1]
+
+
+class ShiftedLog(nn.Module):
+    """``log(|x| + shift)``: NaN once ``shift`` is very negative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x.abs() + self.shift)
+
+
+class BreaksAt(Regressor):
+    """``net``: Linear(4, 8) -> ShiftedLog -> Linear(8, 1); training batch ``bad`` breaks."""
+
+    def __init__(self, bad: int) -> None:
+        super().__init__()
+        self.net[1] = ShiftedLog()
+        self.bad = bad
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.net[1].shift = -100.0 if batch_idx == self.bad else 1.0
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_sentinel_is_on_by_default_and_its_replay_names_the_module(tmp_path: Path) -> None:
+    module = BreaksAt(bad=2)
+    callback = LightningObserverCallback(logger_histograms=False)
+    trainer(tmp_path, callbacks=[callback], num_sanity_val_steps=0).fit(module, loader(4))
+    stats = tmp_path / "lt" / "version_0" / "stats"
+    assert_artifact_dir_conforms(stats)
+    (event,) = read_events(stats).to_pylist()
+    assert (event["kind"], event["signal"], event["forward_index"]) == ("nonfinite", "output", 2)
+    assert (event["replay"], event["layer"], event["module_type"]) == (
+        "reproduced",
+        "net.1",
+        "ShiftedLog",
+    )
 
 
 def test_module_names_the_submodule_the_steps_call(tmp_path: Path) -> None:

@@ -141,7 +141,7 @@ def test_the_loss_is_read_only_on_the_batches_lightning_logs(tmp_path: Path) -> 
     assert (spike["forward_index"], spike["dense_first_forward"]) == (11, 12)
     assert math.isnan(nan["value"])
     assert (nan["forward_index"], nan["dense_first_forward"]) == (15, 16)
-    assert nan["dense_forwards"] == 4  # no sentinel: trigger_capture's default
+    assert nan["dense_forwards"] == 4  # the default sentinel's (and trigger_capture's) 4
     forwards = sorted(history(stats).get_column("forward_index").unique().to_list())
     assert forwards == [0, *range(12, 20)]
 

@@ -192,7 +192,7 @@ def inject_observer(
     update_budget_bytes: int = DEFAULT_UPDATE_BUDGET_BYTES,
     handle_sigterm: bool = True,
     precision: Collection[str] = (),
-    sentinel: bool | Sentinel = False,
+    sentinel: bool | Sentinel = True,
 ) -> None:
     """Attach an observer that records selected modules' outputs and output gradients.
 
@@ -224,11 +224,14 @@ def inject_observer(
     format, ``underflow_fraction.F``, ``subnormal_fraction.F`` and ``overflow_fraction.F``:
     what casting it to ``F`` would lose, exactly as ``tensor.to(F)`` (docs/metrics.md).
 
-    ``sentinel`` (default False): the flight recorder. ``True`` (or ``Sentinel(...)`` for its
-    options) checks every selected module's outputs and output gradients for NaN and infinity
-    on every root forward, sampled or not, records a ``nonfinite`` event naming the first
-    module, and samples the next ``dense_forwards`` root forwards in full (docs/capture.md,
-    "Flight recorder"). It costs per-module work on every forward, which is why it is opt-in.
+    ``sentinel`` (default True): the flight recorder. On every root forward, sampled or not,
+    it checks the root's output and, when each backward ends, the selected modules' parameter
+    gradients for NaN and infinity; when one is not finite it replays the step with a check on
+    every module, records a ``nonfinite`` event naming the first module with the replay's
+    verdict (real numerics, a transient fault of the device, a value from another rank, or
+    not replayable), and samples the next ``dense_forwards`` root forwards in full.
+    ``Sentinel(...)`` sets its options (``mode="dense"``: every module checked on every
+    forward, no replay); ``False`` turns it off (docs/capture.md, "Flight recorder").
     """
     if not isinstance(model, nn.Module):
         raise TypeError(

@@ -47,7 +47,8 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Final, Protocol
 
@@ -148,13 +149,13 @@ class Gate(CompiledGate):
         self._optimizer_hooks = OptimizerHooks()
         if parameters is not None:
             parameters.bind(self._optimizer_hooks)
-        # The flight recorder's checks (None: the sentinel is off). They run on every root
-        # forward, so per-module capture stays installed from attach to close.
+        # The flight recorder's checks (None: the sentinel is off). In its dense mode they run
+        # on every selected module of every root forward, so per-module capture stays
+        # installed from attach to close; in replay mode only the root hooks check.
         self._sentinel = sentinel
-        self._flags.sentinel = sentinel is not None
-        self._flags.slots = None if sentinel is None else sentinel.slots
-        self._flags.gradient_slots = None if sentinel is None else sentinel.gradient_slots
-        self._flags.gradient_checks = sentinel is not None and sentinel.checks_gradients
+        options = None if sentinel is None else sentinel.options
+        self._dense = options is not None and not options.replays
+        self._set_dense_checks(self._dense)
         # The run's step times (ti_core.cost): one clock read per outermost root forward,
         # after its decision (and, unsampled, after capture is removed) so that the work a
         # sample leaves for the next forward falls in the sampled step.
@@ -162,6 +163,16 @@ class Gate(CompiledGate):
         self._clock = meter.clock if meter is not None else time.perf_counter
 
     # ------------------------------------------------------------------ observable state
+
+    def _set_dense_checks(self, dense: bool) -> None:
+        """Whether the sentinel checks every selected module (its dense mode, or a replay-mode
+        root whose hooks are traced into compiled graphs) or only at the root."""
+        sentinel = self._sentinel
+        self._dense = dense
+        self._flags.sentinel = dense
+        self._flags.slots = None if sentinel is None else sentinel.slots
+        self._flags.gradient_slots = None if sentinel is None else sentinel.gradient_slots
+        self._flags.gradient_checks = dense and sentinel is not None and sentinel.checks_gradients
 
     @property
     def state(self) -> GateState:
@@ -216,7 +227,7 @@ class Gate(CompiledGate):
             compiled = bool(compiled_wrappers(root))
             self._hooks.install_root(self, root, compiled=compiled)
             self._state = _IDLE
-            if self._sentinel is not None and not compiled:
+            if self._dense and not compiled:
                 self._install_capture_locked()
         if compiled:  # torch.compile's OptimizedModule: compiled from the start
             self.enter_compiled_mode(ahead=False)
@@ -257,6 +268,10 @@ class Gate(CompiledGate):
             if state is _IDLE:
                 self._install_capture_locked(compiled=True)
             self._state = _AHEAD if ahead else _COMPILED
+            if ahead and self._sentinel is not None and not self._dense:
+                # No Python runs at the root of such a graph: replay mode keeps no arguments
+                # there and checks every selected module in the graph instead.
+                self._set_dense_checks(True)
         if ahead:
             self.decide_ahead()  # the forward being traced now runs on this decision
 
@@ -272,14 +287,34 @@ class Gate(CompiledGate):
 
     # ------------------------------------------------------------------ CaptureTarget
 
-    def root_enter(self, caller: FrameType | None = None) -> None:
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """While the flight recorder replays a step on this thread: the root's and the
+        modules' hooks do nothing (nothing is counted, sampled or checked)."""
+        local = self._local
+        before = local.replaying
+        local.replaying = True
+        try:
+            yield
+        finally:
+            local.replaying = before
+
+    def root_enter(
+        self,
+        caller: FrameType | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
         """Forward pre-hook of the root: decide whether this root forward is sampled.
 
         ``caller`` is the frame that runs the root's hooks; it tells a genuinely nested root call
         from state left behind by a root forward that a BaseException (KeyboardInterrupt)
-        interrupted, which skips the always-called forward hook.
+        interrupted, which skips the always-called forward hook. ``args`` and ``kwargs``: the
+        forward's arguments (the flight recorder's replay mode keeps them).
         """
         local = self._local
+        if local.replaying:
+            return
         depth = local.depth
         if depth and caller is not None and not has_ancestor(caller, local.outer):
             self._abandon(local)
@@ -307,10 +342,10 @@ class Gate(CompiledGate):
             self._latest = index
             self._flags.sampled = sampled  # what a compiled frame run next specializes on
             if self._sentinel is not None:
-                self._sentinel.begin(index)
+                self._sentinel.begin(index, args, kwargs)
             meter = self._meter
             if not sampled:
-                if self._state is _CAPTURING and not self._in_flight and self._sentinel is None:
+                if self._state is _CAPTURING and not self._in_flight and not self._dense:
                     with self._lock:
                         if self._state is _CAPTURING and not self._in_flight:
                             self._remove_capture_locked()
@@ -366,6 +401,8 @@ class Gate(CompiledGate):
     def root_exit(self, module: nn.Module, output: Any) -> None:
         """Forward hook of the root (also runs when the forward raised): end the sample."""
         local = self._local
+        if local.replaying:
+            return
         if local.depth > 0:
             local.depth -= 1
         if not local.depth:
@@ -385,14 +422,16 @@ class Gate(CompiledGate):
         self._end_sample(sample)
 
     def capture(self, layer: int, module: nn.Module, output: Any) -> None:
-        """One call of a selected module: checked by the sentinel when it is on, recorded when
-        this thread's root forward is sampled."""
+        """One call of a selected module: checked by the sentinel in its dense mode, recorded
+        when this thread's root forward is sampled."""
+        if not self._dense:
+            if not self._local.replaying:
+                self._record(layer, module, output)
+            return
         sentinel = self._sentinel
-        if sentinel is None:
-            self._record(layer, module, output)
-            return
-        if in_backward():  # a recomputation (activation checkpointing), not a forward
-            return
+        assert sentinel is not None  # (dense checks need one)
+        if in_backward() or self._local.replaying:  # a recomputation (activation
+            return  # checkpointing), not a forward; or the recorder's replay
         try:
             sentinel.check(layer, output)
         except Exception as error:
@@ -416,6 +455,9 @@ class Gate(CompiledGate):
         if sentinel is None or self._state is _CLOSED or in_backward():
             return
         try:
+            if not self._dense:
+                sentinel.end_root(output)
+                return
             if self._root_layer is not None:
                 sentinel.check(self._root_layer, output, last=True)
             sentinel.end()

@@ -66,7 +66,9 @@ class HookInstallation:
         root), the root's ``forward`` override, so a direct ``model.forward(x)`` is a root
         forward."""
         self._root_removers = [
-            root.register_forward_pre_hook(RootPreHook(target), prepend=True).remove,
+            root.register_forward_pre_hook(
+                RootPreHook(target), prepend=True, with_kwargs=True
+            ).remove,
             root.register_forward_hook(RootPostHook(target), always_call=True).remove,
         ]
         if self._direct and not compiled:

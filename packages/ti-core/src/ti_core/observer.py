@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Final
 
 from torch import nn
@@ -37,7 +37,9 @@ from ti_core.gate import Gate, GateState
 from ti_core.records import RunColumns
 from ti_core.reduction.plan import ReductionPlan
 from ti_core.sampling import Sampler
+from ti_core.selection import unwrap_model
 from ti_core.sentinel import DenseSampler, FlightRecorder, Sentinel
+from ti_core.sentinel.replay import Replayer, reduced_across_ranks
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
 from ti_schema import DEFAULT_SIGNALS, PARAMETER_SIGNALS, events_schema
 
@@ -129,6 +131,16 @@ class Observer:
         )
         """Sampling decisions and every hook of this observer."""
         self.recorder.bind_latest(self.gate.current_index)
+        if sentinel is not None and sentinel.replays:
+            replayer = Replayer(
+                unwrap_model(root),
+                modules,
+                columns.layer_names,
+                rank=run.rank,
+                reduced=_reduced(weakref.ref(root)),
+                bypass=self.gate.replaying,
+            )
+            self.recorder.bind_replayer(replayer, type(root).__name__)
 
     # Copies of a model (deepcopy, pickle, torch.save) carry no observer: this becomes None.
     def __reduce__(self) -> tuple[type[None], tuple[()]]:
@@ -243,6 +255,17 @@ class Observer:
 
     def forward_started_since(self, forward_index: int) -> bool:
         return self.gate.latest_forward > forward_index
+
+
+def _reduced(root: weakref.ref[nn.Module]) -> Callable[[], bool]:
+    """Whether the root's gradients are reduced across ranks, asked at replay time (held
+    weakly: the model holds its observer)."""
+
+    def reduced() -> bool:
+        module = root()
+        return module is not None and reduced_across_ranks(module)
+
+    return reduced
 
 
 __all__ = ["Observer"]

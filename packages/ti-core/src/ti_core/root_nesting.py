@@ -23,6 +23,9 @@ class ThreadRoots(threading.local):
     left behind by one that a BaseException (KeyboardInterrupt) interrupted."""
     sample: Sample | None = None
     """The sample of the outermost root forward, when it is sampled."""
+    replaying = False
+    """The flight recorder replays a step on this thread: the root's and the modules' hooks
+    do nothing (:meth:`ti_core.gate.Gate.replaying`)."""
 
     def inside(self, caller: FrameType) -> bool:
         """Whether ``caller`` runs inside this thread's outermost root forward."""

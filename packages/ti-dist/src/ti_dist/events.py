@@ -4,9 +4,11 @@ With every rank writing (``rank_policy="all"``), each ``rank-NNN/`` holds its ow
 ``events.parquet`` (or, live or killed, ``events.parts/``): ti-io's :func:`ti_io.read_events`
 reads one. Here they are read together, each row keeping the ``rank`` its writer recorded, and
 ordered by when the event happened in training: ``forward_index`` (the root forward it belongs
-to; every rank runs the same forwards), then ``timestamp`` (the clocks of different hosts may
-disagree by milliseconds), then ``rank``. The first row is the rank that fired first: in a job
-where a NaN spreads through an all-reduce, that is where to look.
+to; every rank runs the same forwards), then the events whose replay found the value came
+from another rank (``replay`` ``from_another_rank``, contract 1.5) after the others of that
+forward, then ``timestamp`` (the clocks of different hosts may disagree by milliseconds), then
+``rank``. The first row is the rank that fired first: in a job where a NaN spreads through an
+all-reduce, that is where to look.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from ti_schema.layout import (
 )
 
 ORDER: tuple[str, ...] = ("forward_index", "timestamp", "rank", "event_id")
-"""The order of :func:`events_across_ranks`: training order, then rank."""
+"""The order of :func:`events_across_ranks`: training order, then rank (within a forward, an
+event whose value came from another rank after the others)."""
+_ARRIVED = "__from_another_rank"
 
 
 def _holds_run(directory: Path) -> bool:
@@ -41,8 +45,9 @@ def _holds_run(directory: Path) -> bool:
 def events_across_ranks(output_dir: str | os.PathLike[str]) -> pl.DataFrame:
     """Every event of every rank of the run in ``output_dir`` (``rank-NNN/`` directories, or a
     single-directory run), one row each with the ``ti.events`` columns, ordered by
-    ``forward_index``, ``timestamp``, ``rank`` (the first row fired first). Empty (with the
-    columns) when no rank had an event.
+    ``forward_index``, then those whose replay says ``from_another_rank`` last within it, then
+    ``timestamp``, ``rank`` (the first row fired first). Empty (with the columns) when no rank
+    had an event.
 
     Every file is verified first (``ti_io.DamagedFileError`` names a damaged one). Raises
     ``FileNotFoundError`` naming ``output_dir`` when it holds no run.
@@ -64,7 +69,9 @@ def events_across_ranks(output_dir: str | os.PathLike[str]) -> pl.DataFrame:
     table: pa.Table = concat_events([read_events(d) for d in directories])
     frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)
-    return frame.sort(list(ORDER), maintain_order=True)
+    arrived = (pl.col("replay") == "from_another_rank").fill_null(False).alias(_ARRIVED)
+    order = [ORDER[0], _ARRIVED, *ORDER[1:]]
+    return frame.with_columns(arrived).sort(order, maintain_order=True).drop(_ARRIVED)
 
 
 def first_event(output_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

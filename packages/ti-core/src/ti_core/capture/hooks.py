@@ -39,8 +39,14 @@ class CaptureTarget(Protocol):
         """The key under which traced hooks reach this target (:mod:`ti_core.compiled`)."""
         ...
 
-    def root_enter(self, caller: FrameType | None = None) -> None:
-        """A root forward starts (``caller``: the frame running the root's hooks)."""
+    def root_enter(
+        self,
+        caller: FrameType | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """A root forward starts (``caller``: the frame running the root's hooks; ``args``,
+        ``kwargs``: its arguments)."""
         ...
 
     def root_exit(self, module: nn.Module, output: Any) -> None:
@@ -123,7 +129,8 @@ class HookObject:
 
 
 class RootPreHook(HookObject):
-    """Forward pre-hook of the root (registered first, so it runs before the user's)."""
+    """Forward pre-hook of the root (registered first, so it runs before the user's; with the
+    keyword arguments, which the flight recorder keeps for a replay)."""
 
     __slots__ = ("key", "target")
 
@@ -131,13 +138,13 @@ class RootPreHook(HookObject):
         self.target = target
         self.key = target.trace_key
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if is_compiling():
             traced.root_enter(self.key)
         else:
             if module.__dict__.get("_is_replica"):  # a DataParallel replica of the root
                 self.target.replica_entered(module)
-            self.target.root_enter(sys._getframe(1))
+            self.target.root_enter(sys._getframe(1), args, kwargs)
 
 
 class RootPostHook(HookObject):
@@ -257,7 +264,7 @@ class RootForwardOverride(InstanceForward):
         target = self.target
         if target.in_root_forward(caller):
             return forward(*args, **kwargs)
-        target.root_enter(caller)
+        target.root_enter(caller, args, kwargs)
         try:
             output = forward(*args, **kwargs)
         except BaseException:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal, get_args
+
+SentinelMode = Literal["replay", "dense"]
+SENTINEL_MODES: Final[tuple[SentinelMode, ...]] = get_args(SentinelMode)
+"""``replay`` (the default): check the root's output and the parameters' gradients, replay the
+step on an event; ``dense``: check every selected module on every root forward."""
 
 SENTINEL_SIGNALS: Final[tuple[str, ...]] = ("output", "output_gradient")
 """The signals the sentinel can check: module outputs and the gradients flowing into them."""
@@ -23,25 +28,44 @@ def check_forwards(value: object, argument: str) -> int:
 
 @dataclass(frozen=True)
 class Sentinel:
-    """The flight recorder's options (``inject_observer(sentinel=Sentinel(...))``;
+    """The flight recorder's options (``inject_observer(sentinel=Sentinel(...))``; the default
     ``sentinel=True`` is ``Sentinel()``).
 
-    On every root forward, sampled or not, each selected module's output tensors (and, with
-    ``"output_gradient"`` in ``signals``, the gradients flowing back into them) are checked
-    for NaN and infinite entries, on their own device, with one flag read per root forward.
-    The first root forward in which a check fires records one ``nonfinite`` event naming the
-    first module in execution order; the next ``dense_forwards`` root forwards are then
-    sampled in full whatever the sampler says. Another event fires only after a root forward
-    whose checks were all clean (docs/capture.md, "Flight recorder").
+    ``mode="replay"`` (the default): every root forward's output tensors are checked for NaN
+    and infinite entries, and at the end of each backward the gradients of the selected
+    modules' parameters (and of the root's inputs that require grad), on their own device,
+    with one flag read per check. When one fires, the step is re-run with a check on every
+    selected module, to name the first module and to tell real numerics (``reproduced``) from
+    a transient fault of the device (``not_reproduced``), a value that came from another rank
+    (``from_another_rank``) or a step that cannot be re-run (``not_replayable``).
+
+    ``mode="dense"``: each selected module's output tensors (and, with ``"output_gradient"``
+    in ``signals``, the gradients flowing back into them) are checked on every root forward;
+    the event names the first flagged module in execution order, with no replay.
+
+    Either way, the first root forward in which a check fires records one ``nonfinite`` event,
+    the next ``dense_forwards`` root forwards are sampled in full whatever the sampler says,
+    and another event fires only after a root forward whose checks were all clean
+    (docs/capture.md, "Flight recorder").
     """
 
     dense_forwards: int = DEFAULT_DENSE_FORWARDS
     """Root forwards sampled in full after an event (default 4)."""
     signals: tuple[str, ...] = SENTINEL_SIGNALS
-    """What is checked: ``"output"`` and/or ``"output_gradient"`` (default both)."""
+    """What is checked: ``"output"`` and/or ``"output_gradient"`` (default both). In replay
+    mode ``"output"`` is the root's output and ``"output_gradient"`` the parameters'
+    gradients."""
+    mode: SentinelMode = "replay"
+    """``"replay"`` (default) or ``"dense"``: see above."""
 
     def __post_init__(self) -> None:
         check_forwards(self.dense_forwards, "Sentinel(dense_forwards=...)")
+        if self.mode not in SENTINEL_MODES:
+            raise ValueError(
+                f"Sentinel(mode=...) got {self.mode!r}; choose 'replay' (check at the root, "
+                "replay the step on an event) or 'dense' (check every selected module on every "
+                "forward)"
+            )
         signals: object = self.signals
         if isinstance(signals, str | bytes) or not isinstance(signals, Collection):
             raise TypeError(
@@ -61,6 +85,11 @@ class Sentinel:
     def gradients(self) -> bool:
         """Whether gradients are checked."""
         return "output_gradient" in self.signals
+
+    @property
+    def replays(self) -> bool:
+        """Whether this is replay mode."""
+        return self.mode == "replay"
 
     @property
     def outputs(self) -> bool:
@@ -85,8 +114,10 @@ def resolve_sentinel(value: object) -> Sentinel | None:
 
 __all__ = [
     "DEFAULT_DENSE_FORWARDS",
+    "SENTINEL_MODES",
     "SENTINEL_SIGNALS",
     "Sentinel",
+    "SentinelMode",
     "check_forwards",
     "resolve_sentinel",
 ]

@@ -50,7 +50,9 @@ from ti_core.sentinel.dense import DenseSampler
 from ti_core.sentinel.events import Event, event_batch
 from ti_core.sentinel.flags import Flagged, Flags, PendingRead, real_values
 from ti_core.sentinel.options import DEFAULT_DENSE_FORWARDS, Sentinel
-from ti_schema import EventKind
+from ti_core.sentinel.replay import ROOT, Replayer, StepRecord, Verdict
+from ti_core.sentinel.root_checks import RootGradient
+from ti_schema import EventKind, ReplayVerdict
 
 SENTINEL_STAGE: Final = "sentinel check"
 _RECENT: Final = 64
@@ -58,13 +60,39 @@ _RECENT: Final = 64
 forgotten: their backward never came)."""
 
 
+_TRACED_ROOT: Final = (
+    "the root's hooks ran inside the compiled graph: the forward's arguments were not kept "
+    "(the event names the module its checks in the graph flagged)"
+)
+
+
 class _Forward:
     """One root forward's output flags (per thread) and its backward's gradient flags."""
 
-    __slots__ = ("calls", "gradient_calls", "gradients", "index", "outputs", "watch", "watched")
+    __slots__ = (
+        "calls",
+        "device",
+        "ending",
+        "gradient_calls",
+        "gradients",
+        "index",
+        "outputs",
+        "step",
+        "unkept",
+        "watch",
+        "watched",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self.step: StepRecord | None = None
+        """Replay mode: what re-running it needs (None: not kept)."""
+        self.unkept = _TRACED_ROOT
+        """Replay mode: why ``step`` is None."""
+        self.ending = False
+        """Replay mode: a backward through its output queued its backward-end check."""
+        self.device = "cpu"
+        """Replay mode: where the check that fired read its tensors."""
         self.outputs = Flags()
         self.gradients: _GradientFlush | None = None
         self.watched = False  # a gradient check was hooked on one of its outputs
@@ -149,6 +177,26 @@ class FlightRecorder:
         self._gradient_checks: list[tuple[int, str]] = []
         """``(layer, tensor_path)`` of each gradient check of compiled graphs, by number."""
         self._gradient_numbers: dict[tuple[int, str], int] = {}
+        self._replayer: Replayer | None = None
+        """Replay mode: re-runs a step on an event (:meth:`bind_replayer`)."""
+        self._parameters: tuple[tuple[int, str, Tensor], ...] = ()
+        """Replay mode: the selected modules' parameters, ``(layer, "name.grad", parameter)``,
+        whose gradients the backward-end check reads."""
+        self._root_type = ""
+
+    def bind_replayer(self, replayer: Replayer, root_type: str) -> None:
+        """Replay mode (the observer, at attach): the replayer, and the root's class name
+        (the module of events that name the root, layer ``''``)."""
+        self._replayer = replayer
+        self._root_type = root_type
+        self._parameters = tuple(
+            (layer, f"{name}.grad", parameter) for layer, name, parameter in replayer.parameters()
+        )
+
+    @property
+    def replays(self) -> bool:
+        """Whether this is replay mode (checks at the root, a replay on an event)."""
+        return self._replayer is not None
 
     def bind_latest(self, latest: Callable[[], int]) -> None:
         """Where the index of the latest root forward started comes from (the gate)."""
@@ -165,9 +213,99 @@ class FlightRecorder:
 
     # ------------------------------------------------------------------ the checks
 
-    def begin(self, index: int) -> None:
-        """An outermost root forward starts on this thread."""
-        self._local.forward = _Forward(index)
+    def begin(self, index: int, args: tuple[object, ...] = (), kwargs: dict | None = None) -> None:
+        """An outermost root forward starts on this thread (replay mode keeps its arguments,
+        ``args`` and ``kwargs``, and RNG states for a replay)."""
+        forward = self._local.forward = _Forward(index)
+        if self._replayer is not None:
+            try:
+                forward.step = StepRecord(args, kwargs)
+            except Exception as error:  # the forward goes on; a replay of it is refused
+                forward.unkept = (
+                    f"its arguments could not be kept ({type(error).__name__}: {error})"
+                )
+
+    def end_root(self, output: object) -> None:
+        """Replay mode: the outermost root forward of this thread ended with ``output``: check
+        its tensors (on an accelerator, ask for the flags and act on the ones asked for one
+        root forward ago) and, with gradients, hook the backward nodes that made them."""
+        forward: _Forward | None = getattr(self._local, "forward", None)
+        self._local.forward = None
+        self._settle()
+        if forward is None or self._closed:
+            return
+        leaves = (("", output),) if isinstance(output, Tensor) else tensor_leaves(output)
+        outputs = Flags() if self._outputs else None
+        hooked = self._gradients and torch.is_grad_enabled()
+        for position, (path, tensor) in enumerate(leaves):
+            if outputs is not None:
+                outputs.add(ROOT, path, tensor)
+            if hooked and tensor.requires_grad:
+                node = tensor.grad_fn
+                if node is None:
+                    continue
+                check = RootGradient(self._self_ref, forward, position, tensor.output_nr)
+                node.register_prehook(check)
+                watch = forward.watch
+                if watch is None:
+                    watch = forward.watch = _Watch()
+                watch.probes.append(weakref.ref(check))
+                forward.watched = True
+        if leaves:
+            forward.device = str(leaves[0][1].device)
+        result = outputs.read() if outputs is not None else []
+        if isinstance(result, PendingRead):
+            read = result
+
+            def act() -> None:
+                self._outputs_read(forward, read.result(), watched=forward.watched)
+
+            with self._lock:
+                self._pending.append((None, act))
+            return
+        self._outputs_read(forward, result, watched=forward.watched)
+
+    def backward_ended(self, forward: _Forward) -> None:
+        """Replay mode: a backward through ``forward``'s output ended (after the reductions
+        across ranks): check the gradients of the selected parameters and of the root's
+        inputs that require grad."""
+        try:
+            step = forward.step
+            flags = Flags()
+            device = None
+            for layer, path, parameter in self._parameters:
+                grad = parameter.grad
+                if grad is not None:
+                    flags.add(layer, path, grad)
+                    if device is None:
+                        device = grad.device
+            if step is not None:
+                for path, tensor in step.inputs_with_gradients():
+                    flags.add(ROOT, path, tensor.grad)
+                    if device is None:
+                        device = tensor.grad.device
+            if device is not None:
+                forward.device = str(device)
+            result = flags.read()
+            if isinstance(result, PendingRead):
+                read = result
+
+                def act() -> None:
+                    self._backward_read(forward, read.result())
+
+                with self._lock:
+                    self._pending.append((read.ready, act))
+                return
+            self._backward_read(forward, result)
+        except Exception as error:
+            self._errors.handle(SENTINEL_STAGE, error)
+
+    def _backward_read(self, forward: _Forward, flagged: Flagged) -> None:
+        try:
+            self._gradients_read(forward.index, flagged, forward)
+        finally:
+            if forward.step is not None:
+                forward.step.output_grads.clear()  # kept for a replay of this backward only
 
     def check(self, layer: int, output: object, *, last: bool = False) -> None:
         """A selected module returned ``output`` in this thread's root forward (``last``: the
@@ -330,7 +468,7 @@ class FlightRecorder:
     def _outputs_read(self, forward: _Forward, flagged: Flagged, *, watched: bool) -> None:
         index = forward.index
         if flagged:
-            self._fire("output", index, flagged)
+            self._fire("output", index, flagged, forward)
             return
         with self._lock:
             if watched:  # clean so far: re-armed once its gradients are clean too
@@ -362,11 +500,13 @@ class FlightRecorder:
             return
         self._gradients_read(index, result)
 
-    def _gradients_read(self, index: int, flagged: Flagged) -> None:
+    def _gradients_read(
+        self, index: int, flagged: Flagged, forward: _Forward | None = None
+    ) -> None:
         if flagged:
             with self._lock:
                 self._clean_outputs.pop(index, None)
-            self._fire("output_gradient", index, flagged)
+            self._fire("output_gradient", index, flagged, forward)
             return
         with self._lock:
             if index in self._clean_outputs:
@@ -380,7 +520,9 @@ class FlightRecorder:
 
     # ------------------------------------------------------------------ events
 
-    def _fire(self, signal: str, index: int, flagged: Flagged) -> None:
+    def _fire(
+        self, signal: str, index: int, flagged: Flagged, forward: _Forward | None = None
+    ) -> None:
         with self._lock:
             if not self._armed:
                 self._rearm_abandoned_locked()
@@ -389,15 +531,45 @@ class FlightRecorder:
             self._armed = False
             self._fired_at = index
         assert self.options is not None
+        layers = tuple(layer for layer, _ in flagged)
+        paths = tuple(path for _, path in flagged)
+        verdict = None
+        if self._replayer is not None:
+            verdict = self._replay(signal, forward)
+            if verdict.layers:
+                layers, paths = verdict.layers, verdict.paths
         self._record(
             "nonfinite",
             index,
             self.options.dense_forwards,
             signal=signal,
-            layers=tuple(self._names[layer] for layer, _ in flagged),
-            module_types=tuple(self._types[layer] for layer, _ in flagged),
-            tensor_paths=tuple(path for _, path in flagged),
+            layers=tuple(self._name(layer) for layer in layers),
+            module_types=tuple(self._type(layer) for layer in layers),
+            tensor_paths=paths,
+            replay=None if verdict is None else verdict.replay,
+            replay_reason=None if verdict is None else verdict.reason,
         )
+
+    def _replay(self, signal: str, forward: _Forward | None) -> Verdict:
+        """The replay's verdict on the step of ``forward`` (never raises)."""
+        replayer = self._replayer
+        assert replayer is not None
+        step = None if forward is None else forward.step
+        if forward is None or step is None:
+            return Verdict(
+                "not_replayable",
+                forward.unkept if forward is not None else _TRACED_ROOT,
+            )
+        try:
+            return replayer.replay(step, signal, forward.device)
+        except Exception as error:
+            return Verdict("not_replayable", f"the replay raised {type(error).__name__}: {error}")
+
+    def _name(self, layer: int) -> str:
+        return "" if layer == ROOT else self._names[layer]
+
+    def _type(self, layer: int) -> str:
+        return self._root_type if layer == ROOT else self._types[layer]
 
     def trigger(
         self,
@@ -428,6 +600,8 @@ class FlightRecorder:
         tensor_paths: tuple[str, ...] = (),
         reason: str | None = None,
         value: float | None = None,
+        replay: ReplayVerdict | None = None,
+        replay_reason: str | None = None,
     ) -> Event:
         first = self.dense.trigger(forwards)
         event = Event(
@@ -443,6 +617,8 @@ class FlightRecorder:
             tensor_paths=tensor_paths,
             reason=reason,
             value=value,
+            replay=replay,
+            replay_reason=replay_reason,
         )
         with self._lock:
             self.events.append(event)
