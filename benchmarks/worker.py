@@ -8,6 +8,7 @@ ti-0.8.0), sink (dir | memory), device, warmup, steps, repeats, interval_steps.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 # One intra-op thread, as in the reference measurements; set before torch is imported.
@@ -62,9 +63,11 @@ class _Impl:
         if config in ("unsampled", "sentinel"):
             # The first forward is always sampled; the warmup runs past it.
             kwargs["sampler"] = mod.EveryNForwardsSampler(10**9)
-        if config == "sentinel":
-            kwargs["sentinel"] = True  # the flight recorder's check on every forward
-        elif config in ("every", "precision3"):
+        if "sentinel" in inspect.signature(mod.inject_observer).parameters:
+            # ``sentinel``: the flight recorder as ti-core's default has it (replay mode); the
+            # other configurations measure the observer's sampling without it
+            kwargs["sentinel"] = config == "sentinel"
+        if config in ("every", "precision3"):
             kwargs["sampler"] = mod.AlwaysSampler()
         if config == "precision3":
             kwargs["precision"] = PRECISION3

@@ -376,7 +376,7 @@ def test_trigger_without_an_observer_returns_none_and_bad_arguments_raise() -> N
 def test_sentinel_off_changes_nothing_and_on_keeps_capture_installed() -> None:
     model = Shifted()
     sink = MemorySink()
-    _attach(model, sink)
+    _attach(model, sink, sentinel=False)
     _train(model, 3)
     observer = ti_core.observer_of(model)
     assert observer is not None

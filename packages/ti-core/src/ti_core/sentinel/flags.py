@@ -38,6 +38,10 @@ _BLAS: Final[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float64})
 """Checked by a BLAS ``dot`` from :data:`_PARALLEL` entries on."""
 _PARALLEL: Final = 32_768
 """ATen's grain size: a CPU reduction of this many entries or more runs on its threads."""
+_THREADED: Final = 1 << 20
+"""From this many entries on, :func:`plain_total` sums on torch's intra-op threads again: a
+tensor this large is read from memory, where two threads read faster than one BLAS ``dot``
+(a GPT-2 small backward's parameter gradients: 16 against 20 ms, benchmarks/README.md)."""
 
 
 def real_values(tensor: Tensor) -> Tensor | None:
@@ -92,10 +96,70 @@ def cpu_nonfinite(tensor: Tensor) -> bool | None:
     return not (isfinite(low.item()) and isfinite(high.item()))
 
 
+def plain_total(tensor: Tensor) -> float | None:
+    """For a plain (``type(t) is Tensor``) contiguous float32/float64 CPU tensor, a number that
+    is finite whenever every entry is: its sum (from :data:`_PARALLEL` entries on, its dot
+    product with itself, as in :func:`cpu_nonfinite`); None for any other tensor.
+
+    The replay mode's checks add these up over every tensor of one check and read them with no
+    more Python per tensor than the reduction: a finite total clears them all; only a total
+    that is not (a non-finite entry, or finite ones that overflowed) is decided exactly, tensor
+    by tensor (:class:`Flags`)."""
+    if type(tensor) is not Tensor or not tensor.is_cpu or tensor.dtype not in _BLAS:
+        return None
+    if not tensor.is_contiguous():
+        return None
+    values = tensor.data
+    count = values.numel()
+    if _PARALLEL <= count < _THREADED:
+        flat = values.view(-1)
+        return float(torch.dot(flat, flat).item())
+    return float(values.sum().item())
+
+
+def check_all(entries: Iterable[tuple[int, str, Tensor]]) -> Flagged | PendingRead:
+    """One check over ``(layer, path, tensor)`` entries: the flagged ones (an empty list:
+    clean), or a :class:`PendingRead` when any lives on an accelerator. Plain CPU tensors are
+    cleared together by :func:`plain_total`; every other tensor, and all of them when that
+    total is not finite, goes through :class:`Flags`."""
+    total = 0.0
+    rest: list[tuple[int, str, Tensor]] = []
+    fused: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, Tensor]]] = {}
+    every = list(entries)
+    for entry in every:
+        tensor = entry[2]
+        value = plain_total(tensor)
+        if value is not None:
+            total += value
+        elif type(tensor) is Tensor and not tensor.is_cpu and tensor.layout is _STRIDED:
+            fused.setdefault((tensor.device, tensor.dtype), []).append(entry)
+        else:
+            rest.append(entry)
+    if not isfinite(total):
+        rest, fused = every, {}  # decided exactly, tensor by tensor
+    if not rest and not fused:
+        return []
+    flags = Flags()
+    for group in fused.values():
+        flags.add_norms(group)
+    for layer, path, tensor in rest:
+        flags.add(layer, path, tensor)
+    return flags.read()
+
+
 class Flags:
     """The flags of one check (a root forward's outputs, or one backward's gradients)."""
 
-    __slots__ = ("accelerated", "entries", "flagged", "keys", "orders", "owners", "values")
+    __slots__ = (
+        "accelerated",
+        "entries",
+        "flagged",
+        "keys",
+        "orders",
+        "owners",
+        "sources",
+        "values",
+    )
 
     def __init__(self) -> None:
         self.entries: list[tuple[int, str]] = []
@@ -112,6 +176,9 @@ class Flags:
         (:mod:`~ti_core.compiled.slots`): where it falls among the slots' flags."""
         self.keys: list[float] = []
         """Per entry of the last read's result, that order (infinity: none, after the slots)."""
+        self.sources: dict[int, Tensor] = {}
+        """Entries checked by a norm (:meth:`add_norms`): the tensor, checked exactly when its
+        norm is not finite (finite entries can overflow a norm)."""
 
     def add(self, layer: int, path: str, tensor: Tensor) -> None:
         """Check one tensor: a plain CPU one at once, others queued on their device."""
@@ -127,6 +194,27 @@ class Flags:
                 self.values.append(value)
                 self.owners.append(entry)
             if not tensor.is_cpu:
+                self.accelerated = True
+
+    def add_norms(self, entries: list[tuple[int, str, Tensor]]) -> None:
+        """Check tensors of one device and dtype with one fused reduction: their L2 norms by
+        ``torch._foreach_norm`` (one multi-tensor kernel on an accelerator; half precision
+        accumulated in float32), each finite whenever its tensor is. A norm that is not is
+        decided exactly when read (finite entries whose squares overflowed are not flagged)."""
+        kept = [
+            (entry, values) for entry in entries if (values := real_values(entry[2])) is not None
+        ]
+        if not kept:
+            return
+        dtype = torch.float32 if kept[0][1].dtype in _HALF else None
+        norms = torch._foreach_norm([values for _, values in kept], 2.0, dtype=dtype)
+        for ((layer, path, _), values), norm in zip(kept, norms, strict=True):
+            entry = len(self.entries)
+            self.entries.append((layer, path))
+            self.values.append(norm)
+            self.owners.append(entry)
+            self.sources[entry] = values
+            if not values.is_cpu:
                 self.accelerated = True
 
     def add_value(self, layer: int, path: str, finite: Tensor, order: Tensor | None = None) -> None:
@@ -172,9 +260,17 @@ class Flags:
 
     def _flagged(self, positions: Iterable[int]) -> Flagged:
         entries = sorted({self.owners[p] for p in positions}.union(self.flagged))
+        sources = self.sources
+        if sources:  # a norm that overflowed on finite entries flags nothing
+            entries = [e for e in entries if e not in sources or _exactly_nonfinite(sources[e])]
         orders = self.orders
         self.keys = [_key(orders.get(e)) for e in entries]
         return [self.entries[e] for e in entries]
+
+
+def _exactly_nonfinite(values: Tensor) -> bool:
+    low, high = torch.aminmax(values)
+    return not (isfinite(low.item()) and isfinite(high.item()))
 
 
 def _key(order: int | Tensor | None) -> float:
@@ -220,4 +316,13 @@ class PendingRead:
         return self._flags._flagged(bad)
 
 
-__all__ = ["Flagged", "Flags", "PendingRead", "cpu_nonfinite", "flag_values", "real_values"]
+__all__ = [
+    "Flagged",
+    "Flags",
+    "PendingRead",
+    "check_all",
+    "cpu_nonfinite",
+    "flag_values",
+    "plain_total",
+    "real_values",
+]

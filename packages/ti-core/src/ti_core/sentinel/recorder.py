@@ -1,8 +1,21 @@
 """The flight recorder of one observer: the sentinel's checks, the events, the dense captures.
 
-Ownership: the observer builds one :class:`FlightRecorder` and closes it at removal; the gate
-calls :meth:`FlightRecorder.begin`, :meth:`~FlightRecorder.check` and
-:meth:`~FlightRecorder.end` around and inside every root forward when the sentinel is on (and
+Ownership: the observer builds one :class:`FlightRecorder` and closes it at removal.
+
+Replay mode (the default): the gate calls :meth:`FlightRecorder.begin` (which keeps the
+forward's arguments and RNG states, :class:`~ti_core.sentinel.replay.StepRecord`) and
+:meth:`~FlightRecorder.end_root` (which checks the root's output tensors and hooks their
+backward nodes, :mod:`~ti_core.sentinel.root_checks`) around every root forward; when a
+backward through the root's output ends, :meth:`~FlightRecorder.backward_ended` checks the
+selected modules' parameter gradients (and the root's inputs'). Plain CPU tensors are read at
+once (:func:`~ti_core.sentinel.flags.check_all`); on an accelerator the flags are read
+asynchronously, a backward's at the next optimizer step's start at the latest. An event
+replays the step (:class:`~ti_core.sentinel.replay.Replayer`) before it is recorded, and
+carries its verdict. A root whose hooks are traced into a compiled graph has no Python at its
+root: it is checked as in the dense mode, and its events are not replayable.
+
+Dense mode: the gate calls :meth:`FlightRecorder.begin`, :meth:`~FlightRecorder.check` and
+:meth:`~FlightRecorder.end` around and inside every root forward (and
 the compiled graphs hand it the values they computed, :meth:`~FlightRecorder.check_values`).
 Gradient checks are pre-hooks of the backward nodes that produced the outputs
 (:class:`GradientCheck`), living as long as the autograd graph; each backward's flags are read
@@ -41,6 +54,7 @@ from typing import Final
 import pyarrow as pa
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from ti_core.capture.context import now_us
 from ti_core.capture.paths import tensor_leaves
@@ -48,7 +62,7 @@ from ti_core.compiled.slots import FlagSlots, Keyed, PendingSlots, merge
 from ti_core.errors import ErrorPolicy
 from ti_core.sentinel.dense import DenseSampler
 from ti_core.sentinel.events import Event, event_batch
-from ti_core.sentinel.flags import Flagged, Flags, PendingRead, real_values
+from ti_core.sentinel.flags import Flagged, Flags, PendingRead, check_all, real_values
 from ti_core.sentinel.options import DEFAULT_DENSE_FORWARDS, Sentinel
 from ti_core.sentinel.replay import ROOT, Replayer, StepRecord, Verdict
 from ti_core.sentinel.root_checks import RootGradient
@@ -91,7 +105,7 @@ class _Forward:
         """Replay mode: why ``step`` is None."""
         self.ending = False
         """Replay mode: a backward through its output queued its backward-end check."""
-        self.device = "cpu"
+        self.device: torch.device | str = "cpu"
         """Replay mode: where the check that fired read its tensors."""
         self.outputs = Flags()
         self.gradients: _GradientFlush | None = None
@@ -183,6 +197,9 @@ class FlightRecorder:
         """Replay mode: the selected modules' parameters, ``(layer, "name.grad", parameter)``,
         whose gradients the backward-end check reads."""
         self._root_type = ""
+        self._step_hook: RemovableHandle | None = None
+        """Replay mode on an accelerator: the optimizer step pre-hook that reads the flags of
+        the step's backward before its optimizer step (:meth:`_pending_before_step`)."""
 
     def bind_replayer(self, replayer: Replayer, root_type: str) -> None:
         """Replay mode (the observer, at attach): the replayer, and the root's class name
@@ -235,11 +252,8 @@ class FlightRecorder:
         if forward is None or self._closed:
             return
         leaves = (("", output),) if isinstance(output, Tensor) else tensor_leaves(output)
-        outputs = Flags() if self._outputs else None
         hooked = self._gradients and torch.is_grad_enabled()
-        for position, (path, tensor) in enumerate(leaves):
-            if outputs is not None:
-                outputs.add(ROOT, path, tensor)
+        for position, (_, tensor) in enumerate(leaves):
             if hooked and tensor.requires_grad:
                 node = tensor.grad_fn
                 if node is None:
@@ -252,8 +266,8 @@ class FlightRecorder:
                 watch.probes.append(weakref.ref(check))
                 forward.watched = True
         if leaves:
-            forward.device = str(leaves[0][1].device)
-        result = outputs.read() if outputs is not None else []
+            forward.device = leaves[0][1].device
+        result = check_all((ROOT, path, tensor) for path, tensor in leaves) if self._outputs else []
         if isinstance(result, PendingRead):
             read = result
 
@@ -271,32 +285,47 @@ class FlightRecorder:
         inputs that require grad."""
         try:
             step = forward.step
-            flags = Flags()
-            device = None
-            for layer, path, parameter in self._parameters:
-                grad = parameter.grad
-                if grad is not None:
-                    flags.add(layer, path, grad)
-                    if device is None:
-                        device = grad.device
+            entries = [
+                (layer, path, parameter.grad)
+                for layer, path, parameter in self._parameters
+                if parameter.grad is not None
+            ]
             if step is not None:
-                for path, tensor in step.inputs_with_gradients():
-                    flags.add(ROOT, path, tensor.grad)
-                    if device is None:
-                        device = tensor.grad.device
-            if device is not None:
-                forward.device = str(device)
-            result = flags.read()
+                entries += [
+                    (ROOT, path, tensor.grad) for path, tensor in step.inputs_with_gradients()
+                ]
+            if entries:
+                forward.device = entries[0][2].device
+            result = check_all(entries)
             if isinstance(result, PendingRead):
                 read = result
 
                 def act() -> None:
                     self._backward_read(forward, read.result())
 
-                with self._lock:
-                    self._pending.append((read.ready, act))
+                self._pending_before_step(read.ready, act)
                 return
             self._backward_read(forward, result)
+        except Exception as error:
+            self._errors.handle(SENTINEL_STAGE, error)
+
+    def _pending_before_step(self, ready: Callable[[], bool], act: Callable[[], None]) -> None:
+        """An accelerator's backward flags in flight: acted on at the next optimizer step's
+        start at the latest (torch's global optimizer step pre-hook, installed with the first
+        such read), so that a replay runs on the step's own parameters."""
+        with self._lock:
+            self._pending.append((ready, act))
+            if self._step_hook is not None or self._closed:
+                return
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._step_hook = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        """Torch's global optimizer step pre-hook (replay mode on an accelerator): wait for
+        the flags in flight and act on them (a replay sees the parameters of the step)."""
+        try:
+            self._settle(wait=True)
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)
 
@@ -561,7 +590,7 @@ class FlightRecorder:
                 forward.unkept if forward is not None else _TRACED_ROOT,
             )
         try:
-            return replayer.replay(step, signal, forward.device)
+            return replayer.replay(step, signal, str(forward.device))
         except Exception as error:
             return Verdict("not_replayable", f"the replay raised {type(error).__name__}: {error}")
 
@@ -634,6 +663,10 @@ class FlightRecorder:
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)
         self._closed = True
+        with self._lock:
+            hook, self._step_hook = self._step_hook, None
+        if hook is not None:
+            hook.remove()
 
 
 class _GradientFlush:

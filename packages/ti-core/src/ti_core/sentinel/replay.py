@@ -71,6 +71,7 @@ class StepRecord:
         "grad_enabled",
         "kwargs",
         "output_grads",
+        "plain",
         "tensors",
         "versions",
     )
@@ -78,10 +79,9 @@ class StepRecord:
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
         self.args = args
         self.kwargs = kwargs or {}
-        if not kwargs and all(type(a) is Tensor for a in args):
-            tensors = args
-        else:
-            tensors = tuple(t for _, t in tensor_leaves((args, self.kwargs)))
+        self.plain = not kwargs and all(type(a) is Tensor for a in args)
+        """Whether the arguments are tensors only, positional (the usual batch)."""
+        tensors = args if self.plain else tuple(t for _, t in tensor_leaves((args, self.kwargs)))
         self.tensors: tuple[Tensor, ...] = tensors
         # (an inference tensor keeps no version counter: changed in place or not, unknown)
         self.versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
@@ -102,6 +102,8 @@ class StepRecord:
 
     def _paths(self) -> list[tuple[str, Tensor]]:
         """Each tensor argument with where it is (``args[0]``, ``kwargs['mask']``)."""
+        if self.plain:
+            return [(f"args[{i}]", t) for i, t in enumerate(self.tensors)]
         return [
             (f"args{path[3:]}" if path.startswith("[0]") else f"kwargs{path[3:]}", tensor)
             for path, tensor in tensor_leaves((self.args, self.kwargs))
@@ -138,6 +140,8 @@ class StepRecord:
 
 
 def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        return ()
     return tuple(
         (device, torch.get_autocast_dtype(device))
         for device in ("cpu", "cuda")
