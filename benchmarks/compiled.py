@@ -18,8 +18,11 @@ Configurations: ``aa`` times a second bare copy against the first (the noise flo
 ratios); ``compile-first`` observes the ``OptimizedModule``; ``inject-first`` compiles the
 observed module; both sample forward 0 only (in the warmup), so every timed step is unsampled;
 ``every`` (compile-first) samples every forward; ``sentinel`` (compile-first, unsampled) adds
-the flight recorder's non-finite check to every forward's graph; ``sentinel-outputs`` checks the
-outputs only (``Sentinel(signals=("output",))``), which separates the two checks' costs.
+the flight recorder's dense mode (``Sentinel(mode="dense")``), its non-finite check in every
+forward's graph; ``sentinel-outputs`` checks the outputs only
+(``Sentinel(signals=("output",), mode="dense")``), which separates the two checks' costs;
+``replay`` is the default sentinel (replay mode: checks at the root, nothing in the graph).
+Every other configuration runs without the sentinel (``sentinel=False``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,15 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-CONFIGS = ("aa", "compile-first", "inject-first", "every", "sentinel", "sentinel-outputs")
+CONFIGS = (
+    "aa",
+    "compile-first",
+    "inject-first",
+    "every",
+    "sentinel",
+    "sentinel-outputs",
+    "replay",
+)
 WORKLOADS = ("mlp", "block")
 DESCRIPTIONS = {
     "mlp": "8 x (Linear(128,128) + in-place ReLU) + Linear(128,16), input (64,128), 17 leaves",
@@ -146,10 +157,11 @@ def one(workload: str, config: str, pairs: int, steps: int) -> dict[str, Any]:
     sampler = AlwaysSampler() if config == "every" else EveryNForwardsSampler(10**9)
     sink = MemorySink()
     options: dict[str, Any] = {"output_dir": None, "sink": sink, "sampler": sampler}
-    if config == "sentinel":
-        options["sentinel"] = True
-    if config == "sentinel-outputs":
-        options["sentinel"] = ti_core.Sentinel(signals=("output",))
+    options["sentinel"] = {
+        "sentinel": ti_core.Sentinel(mode="dense"),
+        "sentinel-outputs": ti_core.Sentinel(signals=("output",), mode="dense"),
+        "replay": True,
+    }.get(config, False)
     if config == "aa":
         target = observed = torch.compile(model, fullgraph=True)
     elif config == "inject-first":

@@ -1,4 +1,5 @@
-"""Where the flight recorder's sentinel spends its time: each piece turned into a no-op.
+"""Where the flight recorder's dense mode (``Sentinel(mode="dense")``) spends its time: each
+piece turned into a no-op. (Replay mode, the default: ``sentinel_replay.py``.)
 
 One process per mode. It builds a bare model and observed copies (``EveryNForwardsSampler``
 that never samples again, so every timed forward is unsampled), then times short blocks of
@@ -57,6 +58,7 @@ from ti_core import EveryNForwardsSampler, MemorySink, Sentinel
 from ti_core.sentinel import flags, recorder
 
 Step = Callable[[], None]
+DENSE = Sentinel(mode="dense")
 
 
 @contextmanager
@@ -103,7 +105,7 @@ def _eager(workload: str) -> tuple[Step, dict[str, tuple[Step, Callable[[], Any]
     unsampled = workloads.build(workload)
     _observe(unsampled.model, False)
     observed = workloads.build(workload)
-    _observe(observed.model, True)
+    _observe(observed.model, DENSE)
     plain = nullcontext
     return bare.step, {
         "unsampled": (unsampled.step, plain),
@@ -129,8 +131,8 @@ def _compiled(workload: str) -> tuple[Step, dict[str, tuple[Step, Callable[[], A
             _observe(model, sentinel)
         return lambda: model(x).sum().backward()
 
-    outputs = compiled("outputs", Sentinel(signals=("output",)))
-    full = compiled("sentinel", True)
+    outputs = compiled("outputs", Sentinel(signals=("output",), mode="dense"))
+    full = compiled("sentinel", DENSE)
     no_end = lambda: _patched(recorder.FlightRecorder, "end", _forget)  # noqa: E731
     return compiled("bare", None), {
         "observer": (compiled("observer", False), nullcontext),
@@ -165,7 +167,7 @@ def _kernels(workload: str, rounds: int, steps: int) -> None:
     reductions taking turns in blocks of ``steps`` steps."""
     torch.set_num_threads(2)
     observed = workloads.build(workload)
-    _observe(observed.model, True)
+    _observe(observed.model, DENSE)
     taken: dict[str, list[float]] = {}
 
     def timed(name: str, check: Callable[[torch.Tensor], bool]) -> Callable[[Any], bool]:

@@ -48,7 +48,7 @@ Step = Callable[[], None]
 EAGER = ("sequence", "gpt2", "transformer")
 COMPILED = ("mlp", "block")
 TARGETS = {"sequence": 1.03, "gpt2": 1.02}
-"""Replay mode over the bare step (issue 45); compiled: the observer's own cost + 0.02x."""
+"""Replay mode over the bare step; compiled: the observer's own cost + 0.02x."""
 
 
 def _observe(model: torch.nn.Module, sentinel: bool | Sentinel) -> None:

@@ -353,6 +353,29 @@ def test_sentinel_parts_times_every_reduction_inside_the_step(tmp_path: Path) ->
         assert float(line.split(" median ")[1].split()[0]) > 0
 
 
+def test_sentinel_replay_benchmark_times_each_variant_and_a_replay(tmp_path: Path) -> None:
+    """benchmarks/sentinel_replay.py runs end to end on one short round of the eager workload:
+    a ratio for the observer, replay mode and dense mode, the target line, and the cost of one
+    replay (no timing is asserted)."""
+    script = str(ROOT / "benchmarks" / "sentinel_replay.py")
+    done = subprocess.run(
+        [sys.executable, script, "--workloads", "sequence", "--rounds", "1", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("sequence (eager): bare step ")
+    variants = {line.split()[0]: line for line in lines[1:4]}
+    assert set(variants) == {"observer", "replay", "dense"}
+    for line in variants.values():
+        assert float(line.split()[1].rstrip("x")) > 0
+    assert lines[4].startswith("  target: replay <= 1.03x: ")
+    assert lines[5].startswith("  one replay, at an event: forward ")
+
+
 def test_reading_benchmark_times_every_reader_beside_duckdb(tmp_path: Path) -> None:
     """benchmarks/reading.py on a tiny run of one rank and of three ranks: a row per reader,
     each with a time and a peak RSS, DuckDB's beside it where it has one (no timing asserted),

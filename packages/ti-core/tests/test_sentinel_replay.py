@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -22,6 +23,7 @@ from torch._dynamo.utils import counters
 import ti_core
 from ti_core import EveryNForwardsSampler, MemorySink, Sentinel, observer_of, trigger_capture
 from ti_core.gate import GateState
+from ti_core.sentinel.flags import Flags, check_all
 from ti_schema import validate_events
 
 NEVER = 10**9  # only the first forward and dense captures sample
@@ -504,3 +506,37 @@ def test_compiled_model_detects_at_the_root_and_replays_eagerly_without_recompil
     (event,) = _events(sink)
     assert (event["replay"], event["layer"], event["forward_index"]) == ("reproduced", "log", 3)
     assert float(model.shift) == 1.0
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+)
+@pytest.mark.parametrize("numel", [1, 7, 4096, 1 << 15, (1 << 20) + 3])
+def test_one_check_of_many_tensors_is_exact_against_numpy(dtype: torch.dtype, numel: int) -> None:
+    """``check_all`` (one total of plain CPU tensors, Flags for the rest) and the fused norms
+    an accelerator's tensors get (``Flags.add_norms``, run here on CPU tensors): each case is
+    checked among finite companions whose sum (and norm) overflows, and must flag exactly the
+    tensor numpy finds non-finite."""
+    generator = torch.Generator().manual_seed(numel)
+    base = torch.randn(numel, generator=generator, dtype=torch.float64)
+    finfo = torch.finfo(dtype if not dtype.is_complex else torch.float32)
+    base[0] = finfo.max  # finite extremes: a plain total or a norm overflows on them
+    tensor = base.to(dtype)
+    companion = torch.full((5,), finfo.max, dtype=dtype)
+    cases = [tensor]
+    for position in sorted({0, numel // 2, numel - 1}):
+        for bad in (math.nan, math.inf, -math.inf):
+            broken = tensor.clone()
+            broken[position] = bad
+            cases += [broken, broken[position % 2 :: 2]]  # the second is not contiguous
+    for case in cases:
+        wide = case.to(torch.complex128 if dtype.is_complex else torch.float64).numpy()
+        expected = [] if np.isfinite(wide).all() else [(1, "case")]
+        entries = [(0, "companion", companion), (1, "case", case), (2, "tail", companion)]
+        assert check_all(entries) == expected, (dtype, numel)
+        fused = Flags()
+        fused.add_norms(entries)
+        assert fused.read() == expected, (dtype, numel)

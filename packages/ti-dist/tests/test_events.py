@@ -36,7 +36,14 @@ def _run(rank: int) -> RunInfo:
     )
 
 
-def _event(rank: int, event_id: int, forward: int, seconds: float, layer: str) -> pa.RecordBatch:
+def _event(
+    rank: int,
+    event_id: int,
+    forward: int,
+    seconds: float,
+    layer: str,
+    replay: str = "reproduced",
+) -> pa.RecordBatch:
     row: dict[str, Any] = {
         "run_id": f"run-{rank}",
         "rank": rank,
@@ -54,8 +61,8 @@ def _event(rank: int, event_id: int, forward: int, seconds: float, layer: str) -
         "value": None,
         "dense_first_forward": forward + 1,
         "dense_forwards": 8,
-        "replay": "reproduced",
-        "replay_reason": f"made by {layer}'s own output on rank {rank}",
+        "replay": replay,
+        "replay_reason": f"{replay}: {layer} on rank {rank}",
     }
     schema = events_schema("ti-dist tests")
     return pa.table({k: [v] for k, v in row.items()}, schema=schema).to_batches()[0]
@@ -98,6 +105,25 @@ def test_same_forward_the_earlier_timestamp_wins(tmp_path: Path) -> None:
     assert first is not None
     assert first["rank"] == 1
     assert first["layer"] == "fc1"
+
+
+def test_same_forward_a_nan_from_another_rank_comes_after_the_rank_that_made_it(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's clock is earlier, but its replay says the NaN came from another rank: the rank
+    whose replay reproduced it is first (clocks of hosts disagree; the verdict does not)."""
+    _write(tmp_path, 0, [_event(0, 0, 8, 1.0, "fc1", "from_another_rank")], finalize=True)
+    _write(tmp_path, 1, [_event(1, 0, 8, 4.5, "fc2", "reproduced")], finalize=True)
+    _write(tmp_path, 2, [_event(2, 0, 9, 0.5, "fc1", "not_reproduced")], finalize=True)
+    frame = events_across_ranks(tmp_path)
+    assert frame.select("rank", "replay").rows() == [
+        (1, "reproduced"),
+        (0, "from_another_rank"),
+        (2, "not_reproduced"),
+    ]
+    first = first_event(tmp_path)
+    assert first is not None
+    assert (first["rank"], first["layer"], first["replay"]) == (1, "fc2", "reproduced")
 
 
 def test_no_events_anywhere_and_no_run(tmp_path: Path) -> None:

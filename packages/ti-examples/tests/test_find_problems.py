@@ -232,17 +232,20 @@ def test_sentinel_names_where_the_first_nan_appeared(
     demo: tuple[Path, list[ProblemResult]],
 ) -> None:
     """The broken nonfinite run carries the flight recorder: one event, at the onset forward,
-    naming the standardization (the module that divides 0 by a zero std), printed beside the
-    evidence table; the other runs have an empty events table."""
+    whose replay reproduces it (real numerics) and names the standardization (the module that
+    divides 0 by a zero std), printed beside the evidence table; the other runs have an empty
+    events table."""
     output, results = demo
     result = next(r for r in results if r.problem.name == "nonfinite")
     (event,) = read_events(output / "nonfinite" / "broken").to_pylist()
     assert (event["kind"], event["signal"]) == ("nonfinite", "output")
     assert (event["layer"], event["forward_index"]) == ("standardize", ONSET_STEP)
+    assert event["replay"] == "reproduced"
     assert event["dense_first_forward"] == ONSET_STEP + 1
     (line,) = result.events
     assert f"nonfinite at forward {ONSET_STEP}" in line
     assert "first module standardize" in line
+    assert "replay reproduced" in line and "real numerics" in line
     assert f"sentinel: {line}" in describe(result)
     for variant in ("baseline", "fixed"):
         assert read_events(output / "nonfinite" / variant).num_rows == 0

@@ -70,7 +70,8 @@ class Problem(ABC):
     """What the observer records (``inject_observer(signals=)``): the panels' signals."""
     sentinel: ClassVar[bool] = False
     """Whether the broken run carries the flight recorder's sentinel (``inject_observer(
-    sentinel=True)``): its event names the module and forward where the fault began."""
+    sentinel=True)``): its event names the module and forward where the fault began, with the
+    replay's verdict (real numerics, or a transient fault)."""
 
     @abstractmethod
     def build_model(self, variant: Variant) -> nn.Module:

@@ -90,7 +90,7 @@ class _Forward:
         "gradient_calls",
         "gradients",
         "index",
-        "outputs",
+        "_outputs",
         "step",
         "unkept",
         "watch",
@@ -107,7 +107,7 @@ class _Forward:
         """Replay mode: a backward through its output queued its backward-end check."""
         self.device: torch.device | str = "cpu"
         """Replay mode: where the check that fired read its tensors."""
-        self.outputs = Flags()
+        self._outputs: Flags | None = None
         self.gradients: _GradientFlush | None = None
         self.watched = False  # a gradient check was hooked on one of its outputs
         self.watch: _Watch | None = None
@@ -116,6 +116,14 @@ class _Forward:
         """Its eager calls per checked tensor, once the run has slots (each has its own)."""
         self.gradient_calls: dict[tuple[int, str], int] = {}
         """Its eager gradient checks per tensor, once the run has gradient slots."""
+
+    @property
+    def outputs(self) -> Flags:
+        """Its output flags (dense mode; made at the first check)."""
+        flags = self._outputs
+        if flags is None:
+            flags = self._outputs = Flags()
+        return flags
 
 
 class _Watch:
@@ -285,11 +293,11 @@ class FlightRecorder:
         inputs that require grad."""
         try:
             step = forward.step
-            entries = [
-                (layer, path, parameter.grad)
-                for layer, path, parameter in self._parameters
-                if parameter.grad is not None
-            ]
+            entries = []
+            for layer, path, parameter in self._parameters:
+                grad = parameter.grad
+                if grad is not None:
+                    entries.append((layer, path, grad))
             if step is not None:
                 entries += [
                     (ROOT, path, tensor.grad) for path, tensor in step.inputs_with_gradients()

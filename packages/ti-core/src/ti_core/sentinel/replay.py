@@ -84,7 +84,7 @@ class StepRecord:
         tensors = args if self.plain else tuple(t for _, t in tensor_leaves((args, self.kwargs)))
         self.tensors: tuple[Tensor, ...] = tensors
         # (an inference tensor keeps no version counter: changed in place or not, unknown)
-        self.versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
+        self.versions = [-1 if t.is_inference() else t._version for t in tensors]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng: tuple[tuple[int, Tensor], ...] = ()
         if torch.cuda.is_initialized():
@@ -139,8 +139,11 @@ class StepRecord:
         return None
 
 
+_any_autocast: Final = torch._C._is_any_autocast_enabled
+
+
 def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+    if not _any_autocast():
         return ()
     return tuple(
         (device, torch.get_autocast_dtype(device))

@@ -182,14 +182,18 @@ def describe_event(event: Mapping[str, Any]) -> str:
 
 
 def first_event_index(table: pa.Table) -> int | None:
-    """The row of the event that fired first (smallest ``forward_index``, then
+    """The row of the event that fired first (smallest ``forward_index``; within it, an event
+    whose replay says the value came ``from_another_rank`` after the others; then
     ``timestamp``, then ``rank``); None for no events."""
     if not table.num_rows:
         return None
+    arrived = pc.fill_null(pc.equal(table.column("replay"), "from_another_rank"), False)
+    keyed = table.append_column("__arrived", arrived)
     order = pc.sort_indices(
-        table,
+        keyed,
         sort_keys=[
             ("forward_index", "ascending"),
+            ("__arrived", "ascending"),
             ("timestamp", "ascending"),
             ("rank", "ascending"),
         ],
