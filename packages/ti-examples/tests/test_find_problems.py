@@ -245,7 +245,8 @@ def test_sentinel_names_where_the_first_nan_appeared(
     (line,) = result.events
     assert f"nonfinite at forward {ONSET_STEP}" in line
     assert "first module standardize" in line
-    assert "replay reproduced" in line and "real numerics" in line
+    assert "replay reproduced" in line
+    assert "real numerics" in line
     assert f"sentinel: {line}" in describe(result)
     for variant in ("baseline", "fixed"):
         assert read_events(output / "nonfinite" / variant).num_rows == 0

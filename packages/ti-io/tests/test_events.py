@@ -393,7 +393,7 @@ def test_events_of_contract_1_4_read_with_null_replay_columns(tmp_path: Path) ->
     assert events.column("replay").to_pylist() == [None]
     assert events.column("replay_reason").to_pylist() == [None]
     assert events.column("layer").to_pylist() == ["encoder.1"]
-    from ti_io.read.events import first_event_index, describe_event, event_records
+    from ti_io.read.events import describe_event, event_records
 
     record = event_records(events)[0]
     assert "replay" not in record

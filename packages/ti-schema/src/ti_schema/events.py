@@ -65,13 +65,15 @@ _EVENT_COLUMNS: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
         "signal",
         pa.string(),
         True,
-        "nonfinite: 'output' or 'output_gradient', the check that fired; else null",
+        "nonfinite: 'output' or 'output_gradient', the check that fired (replay mode: the "
+        "root's output, or the gradients checked when a backward ended); else null",
     ),
     (
         "layer",
         pa.string(),
         True,
-        "nonfinite: the first flagged module in execution order ('' is the root); else null",
+        "nonfinite: the first module the replay names, else the first flagged module in "
+        "execution order ('' is the root); else null",
     ),
     ("module_type", pa.string(), True, "class name of that module; null with layer"),
     ("tensor_path", pa.string(), True, "that module's first non-finite tensor; null with layer"),
@@ -79,8 +81,8 @@ _EVENT_COLUMNS: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
         "layers",
         pa.list_(pa.string()),
         False,
-        "every flagged module of that root forward, in execution order (one entry per flagged "
-        "call); empty for manual and loss events",
+        "every module named (the replay's, else every flagged module of that root forward, in "
+        "execution order, one entry per flagged call); empty for manual and loss events",
     ),
     (
         "tensor_paths",

@@ -49,7 +49,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 import pyarrow as pa
 import torch
@@ -84,13 +84,13 @@ class _Forward:
     """One root forward's output flags (per thread) and its backward's gradient flags."""
 
     __slots__ = (
+        "_outputs",
         "calls",
         "device",
         "ending",
         "gradient_calls",
         "gradients",
         "index",
-        "_outputs",
         "step",
         "unkept",
         "watch",
@@ -134,7 +134,7 @@ class _Watch:
     __slots__ = ("probes", "ran")
 
     def __init__(self) -> None:
-        self.probes: list[weakref.ref[GradientCheck]] = []
+        self.probes: list[weakref.ref[GradientCheck] | weakref.ref[RootGradient]] = []
         self.ran = False
 
     def abandoned(self) -> bool:
@@ -238,7 +238,9 @@ class FlightRecorder:
 
     # ------------------------------------------------------------------ the checks
 
-    def begin(self, index: int, args: tuple[object, ...] = (), kwargs: dict | None = None) -> None:
+    def begin(
+        self, index: int, args: tuple[object, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> None:
         """An outermost root forward starts on this thread (replay mode keeps its arguments,
         ``args`` and ``kwargs``, and RNG states for a replay)."""
         forward = self._local.forward = _Forward(index)
@@ -299,9 +301,10 @@ class FlightRecorder:
                 if grad is not None:
                     entries.append((layer, path, grad))
             if step is not None:
-                entries += [
-                    (ROOT, path, tensor.grad) for path, tensor in step.inputs_with_gradients()
-                ]
+                for path, tensor in step.inputs_with_gradients():
+                    grad = tensor.grad
+                    if grad is not None:
+                        entries.append((ROOT, path, grad))
             if entries:
                 forward.device = entries[0][2].device
             result = check_all(entries)

@@ -87,7 +87,7 @@ class StepRecord:
         self.versions = [-1 if t.is_inference() else t._version for t in tensors]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng: tuple[tuple[int, Tensor], ...] = ()
-        if torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
             self.cuda_rng = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
         self.grad_enabled = torch.is_grad_enabled()
@@ -289,7 +289,7 @@ class Replayer:
             grads.append(grad)
         if not outputs:
             return
-        inputs = [p for p in self._eager.parameters() if p.requires_grad]
+        inputs: list[Tensor] = [p for p in self._eager.parameters() if p.requires_grad]
         inputs += [t for t in step.tensors if t.requires_grad and t.is_leaf]
         if inputs:  # nothing is accumulated into .grad: the gradients come back here
             torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
@@ -428,7 +428,7 @@ class _Probes:
             for layer, name, parameter in owned:
                 if parameter.requires_grad:
                     probe = _ParameterProbe(self._findings, layer, f"{name}.grad")
-                    handles.append(parameter.register_hook(probe))
+                    handles.append(parameter.register_hook(probe))  # type: ignore[no-untyped-call]
             yield
         finally:
             for handle in handles:
