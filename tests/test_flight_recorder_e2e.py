@@ -69,7 +69,9 @@ KILLED = MODEL + textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_the_event_and_its_dense_rows_survive_kill_9_and_consolidate(tmp_path: Path) -> None:
+def test_the_event_and_its_dense_rows_survive_kill_9_and_consolidate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "stats"
     done = subprocess.run(
         [sys.executable, "-c", KILLED, str(out), "3"],
@@ -86,6 +88,7 @@ def test_the_event_and_its_dense_rows_survive_kill_9_and_consolidate(tmp_path: P
     (event,) = read_events(out).to_pylist()
     assert (event["kind"], event["signal"], event["forward_index"]) == ("nonfinite", "output", 3)
     assert (event["layer"], event["layers"]) == ("log", ["log", "out"])
+    assert event["replay"] == "reproduced"  # the default sentinel replayed the step
     assert (event["dense_first_forward"], event["dense_forwards"]) == (4, 4)
     history = scan_history(out).collect()
     assert sorted(history["forward_index"].unique().to_list()) == [0, 4, 5, 6, 7]
@@ -100,6 +103,10 @@ def test_the_event_and_its_dense_rows_survive_kill_9_and_consolidate(tmp_path: P
     assert cli_main(["validate", str(out)]) == 0
     index = (out / "index.md").read_text()
     assert index.index("log") < index.index("## Run")  # the event is listed first
+    assert 'replay: "reproduced"' in index.split("## Run")[0]
+    capsys.readouterr()
+    assert cli_main(["summary", str(out)]) == 0
+    assert "replay reproduced ('log' is the first module" in capsys.readouterr().out
 
 
 WORKER = MODEL + textwrap.dedent(
