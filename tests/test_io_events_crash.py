@@ -46,6 +46,7 @@ CHILD = textwrap.dedent(
         "timestamp": datetime.now(UTC), "signal": None, "layer": None, "module_type": None,
         "tensor_path": None, "layers": [], "tensor_paths": [], "reason": "about to die",
         "value": None, "dense_first_forward": 3, "dense_forwards": 4,
+        "replay": None, "replay_reason": None,
     }
     schema = events_schema("crash test")
     batch = pa.table({k: [v] for k, v in row.items()}, schema=schema).to_batches()[0]

@@ -13,16 +13,32 @@ write the reduced gradients into ``.grad``), then hands the forward to
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ti_core.sentinel.recorder import FlightRecorder, _Forward
+from ti_core.sentinel.replay import StepRecord
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class RootForward(Protocol):
+    """What these hooks read and set of one root forward (the recorder's ``_Forward``)."""
+
+    watch: Any
+    step: StepRecord | None
+    ending: bool
+
+
+class BackwardTarget(Protocol):
+    """Who is told that a backward through a root forward's output ended (the recorder)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def backward_ended(self, forward: Any) -> None: ...
 
 
 class RootGradient:
@@ -35,8 +51,8 @@ class RootGradient:
 
     def __init__(
         self,
-        recorder: weakref.ref[FlightRecorder],
-        forward: _Forward,
+        recorder: Callable[[], BackwardTarget | None],
+        forward: RootForward,
         position: int,
         output_nr: int,
     ) -> None:
@@ -64,7 +80,7 @@ class BackwardEnd:
 
     __slots__ = ("forward", "recorder")
 
-    def __init__(self, recorder: weakref.ref[FlightRecorder], forward: _Forward) -> None:
+    def __init__(self, recorder: Callable[[], BackwardTarget | None], forward: RootForward) -> None:
         self.recorder = recorder
         self.forward = forward
 
@@ -82,4 +98,4 @@ class BackwardEnd:
         recorder.backward_ended(forward)
 
 
-__all__ = ["BackwardEnd", "RootGradient"]
+__all__ = ["BackwardEnd", "BackwardTarget", "RootForward", "RootGradient"]
