@@ -376,6 +376,32 @@ def test_sentinel_replay_benchmark_times_each_variant_and_a_replay(tmp_path: Pat
     assert lines[5].startswith("  one replay, at an event: forward ")
 
 
+def test_tensor_parallel_benchmark_times_every_variant(tmp_path: Path) -> None:
+    """benchmarks/tensor_parallel.py runs a 2-rank gloo job end to end on one short round: a
+    time per variant and the three ratios (no timing is asserted)."""
+    script = str(ROOT / "benchmarks" / "tensor_parallel.py")
+    done = subprocess.run(
+        [sys.executable, script, "--dim", "64", "--rounds", "1", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("tensor-parallel MLP, d=64, batch 64, 2 gloo ranks")
+    times = {line.split("  ")[1].strip(): line for line in lines[1:6]}
+    assert set(times) == {"tp bare", "tp unsampled", "tp sampled", "local bare", "local sampled"}
+    ratios = lines[6:9]
+    assert [r.split(":")[0].strip() for r in ratios] == [
+        "tp unsampled / tp bare",
+        "tp sampled / tp bare",
+        "local sampled / local bare",
+    ]
+    for line in ratios:
+        assert float(line.split(":")[1].split("x")[0]) > 0
+
+
 def test_reading_benchmark_times_every_reader_beside_duckdb(tmp_path: Path) -> None:
     """benchmarks/reading.py on a tiny run of one rank and of three ranks: a row per reader,
     each with a time and a peak RSS, DuckDB's beside it where it has one (no timing asserted),

@@ -19,6 +19,7 @@ from ti_core.errors import (
     TelemetryWarning,
 )
 from ti_core.memory_sink import MemorySink
+from ti_core.pipeline_stages import inject_stage_observer, remove_stage_observer
 from ti_core.ranks import RankPolicy, RankSelection
 from ti_core.reduction.plan import DefaultProfile, Reducer, default_reducers
 from ti_core.sampling import (
@@ -59,9 +60,11 @@ __all__ = [
     "default_reducers",
     "has_observer",
     "inject_observer",
+    "inject_stage_observer",
     "leaf_modules",
     "observe",
     "observer_of",
     "remove_observer",
+    "remove_stage_observer",
     "trigger_capture",
 ]

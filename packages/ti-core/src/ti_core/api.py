@@ -7,8 +7,9 @@ sink that refuses to open) leaves the model exactly as it was.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from os import PathLike
@@ -193,6 +194,7 @@ def inject_observer(
     handle_sigterm: bool = True,
     precision: Collection[str] = (),
     sentinel: bool | Sentinel = True,
+    settings: Mapping[str, str] | None = None,
 ) -> None:
     """Attach an observer that records selected modules' outputs and output gradients.
 
@@ -232,6 +234,11 @@ def inject_observer(
     not replayable), and samples the next ``dense_forwards`` root forwards in full.
     ``Sentinel(...)`` sets its options (``mode="dense"``: every module checked on every
     forward, no replay); ``False`` turns it off (docs/capture.md, "Flight recorder").
+
+    ``settings`` (default none): the caller's own run settings, string to string, recorded
+    beside ti-core's (run.json, index.md) for readers to find (e.g. an experiment's tag;
+    :func:`~ti_core.inject_stage_observer` records a pipeline stage's this way). A key ti-core
+    records itself is refused.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -252,6 +259,7 @@ def inject_observer(
             f"handle_sigterm= must be True or False, got {handle_sigterm!r} (False leaves "
             "SIGTERM to a program that manages its signals itself)"
         )
+    extra_settings = _resolve_settings(settings)
     chosen_signals = _resolve_signals(signals)
     chosen_sentinel = resolve_sentinel(sentinel)
     if isinstance(update_budget_bytes, bool) or not isinstance(update_budget_bytes, int):
@@ -323,6 +331,12 @@ def inject_observer(
             ),
         },
     )
+    taken = sorted(set(run.settings) & set(extra_settings))
+    if taken:
+        raise ValueError(
+            f"settings= may not set {taken}: ti-core records them itself; choose other keys"
+        )
+    run = replace(run, settings={**run.settings, **extra_settings})
     columns = RunColumns(
         history_schema=history_schema(producer),
         histogram_schema=histogram_schema(producer),
@@ -366,6 +380,20 @@ def inject_observer(
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)
     preemption.watch(observer, handle_sigterm=handle_sigterm)
+
+
+def _resolve_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
+    """The caller's run settings (``inject_observer(settings=...)``), checked."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in settings.items()
+    ):
+        raise TypeError(
+            "settings= must map non-empty strings to strings (str(value) what is not one), "
+            f"got {settings!r}"
+        )
+    return dict(settings)
 
 
 def _background_allowed(
@@ -471,6 +499,7 @@ class ObserverOptions(TypedDict, total=False):
     handle_sigterm: bool
     sentinel: bool | Sentinel
     precision: Collection[str]
+    settings: Mapping[str, str] | None
 
 
 @contextmanager

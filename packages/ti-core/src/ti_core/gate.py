@@ -64,7 +64,7 @@ from ti_core.cost import CostMeter
 from ti_core.errors import ErrorPolicy
 from ti_core.hook_installation import HookInstallation
 from ti_core.optimizer_hooks import OptimizerHooks
-from ti_core.root_nesting import ThreadRoots, has_ancestor
+from ti_core.root_nesting import ScopedRoots, ThreadRoots, has_ancestor
 from ti_core.sampling import Sampler
 from ti_core.selection import compiled_wrappers
 from ti_core.sentinel.recorder import SENTINEL_STAGE, FlightRecorder
@@ -292,12 +292,32 @@ class Gate(CompiledGate):
         """While the flight recorder replays a step on this thread: the root's and the
         modules' hooks do nothing (nothing is counted, sampled or checked)."""
         local = self._local
-        before = local.replaying
-        local.replaying = True
+        before = local.paused
+        local.paused = True
         try:
             yield
         finally:
-            local.replaying = before
+            local.paused = before
+
+    def scope(self) -> None:
+        """From now on record only root forwards inside :meth:`within` (before the first
+        root forward: ``inject_stage_observer``); every other one is not counted, sampled or
+        checked."""
+        if self._latest >= 0:
+            raise RuntimeError("an observer is scoped before its first root forward")
+        self._local = ScopedRoots()
+
+    @contextmanager
+    def within(self) -> Iterator[None]:
+        """While a scoped observer's recorded forward runs on this thread (a pipeline stage's
+        microbatch): its hooks work as unscoped."""
+        local = self._local
+        before = local.paused
+        local.paused = False
+        try:
+            yield
+        finally:
+            local.paused = before
 
     def root_enter(
         self,
@@ -313,7 +333,7 @@ class Gate(CompiledGate):
         forward's arguments (the flight recorder's replay mode keeps them).
         """
         local = self._local
-        if local.replaying:
+        if local.paused:
             return
         depth = local.depth
         if depth and caller is not None and not has_ancestor(caller, local.outer):
@@ -401,7 +421,7 @@ class Gate(CompiledGate):
     def root_exit(self, module: nn.Module, output: Any) -> None:
         """Forward hook of the root (also runs when the forward raised): end the sample."""
         local = self._local
-        if local.replaying:
+        if local.paused:
             return
         if local.depth > 0:
             local.depth -= 1
@@ -425,12 +445,12 @@ class Gate(CompiledGate):
         """One call of a selected module: checked by the sentinel in its dense mode, recorded
         when this thread's root forward is sampled."""
         if not self._dense:
-            if not self._local.replaying:
+            if not self._local.paused:
                 self._record(layer, module, output)
             return
         sentinel = self._sentinel
         assert sentinel is not None  # (dense checks need one)
-        if in_backward() or self._local.replaying:  # a recomputation (activation
+        if in_backward() or self._local.paused:  # a recomputation (activation
             return  # checkpointing), not a forward; or the recorder's replay
         try:
             sentinel.check(layer, output)

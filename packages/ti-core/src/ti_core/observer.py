@@ -131,6 +131,7 @@ class Observer:
         )
         """Sampling decisions and every hook of this observer."""
         self.recorder.bind_latest(self.gate.current_index)
+        self._replayer: Replayer | None = None
         if sentinel is not None and sentinel.replays:
             replayer = Replayer(
                 unwrap_model(root),
@@ -141,6 +142,16 @@ class Observer:
                 bypass=self.gate.replaying,
             )
             self.recorder.bind_replayer(replayer, type(root).__name__)
+            self._replayer = replayer
+
+    def as_pipeline_stage(self, stage: int, stages: int) -> None:
+        """The observed model is stage ``stage`` of ``stages`` of a pipeline (before its first
+        forward; ``ti_core.inject_stage_observer``): only the forwards inside
+        :meth:`~ti_core.gate.Gate.within` are recorded, and a replay tells a gradient that
+        arrived non-finite from the next stage."""
+        self.gate.scope()
+        if self._replayer is not None and stage < stages - 1:
+            self._replayer.next_stage = stage + 1
 
     # Copies of a model (deepcopy, pickle, torch.save) carry no observer: this becomes None.
     def __reduce__(self) -> tuple[type[None], tuple[()]]:

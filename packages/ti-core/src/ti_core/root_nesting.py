@@ -23,9 +23,10 @@ class ThreadRoots(threading.local):
     left behind by one that a BaseException (KeyboardInterrupt) interrupted."""
     sample: Sample | None = None
     """The sample of the outermost root forward, when it is sampled."""
-    replaying = False
-    """The flight recorder replays a step on this thread: the root's and the modules' hooks
-    do nothing (:meth:`ti_core.gate.Gate.replaying`)."""
+    paused = False
+    """The root's and the modules' hooks do nothing on this thread: the flight recorder
+    replays a step (:meth:`ti_core.gate.Gate.replaying`), or the forward runs outside the
+    scopes a scoped observer records (:meth:`ti_core.gate.Gate.within`)."""
 
     def inside(self, caller: FrameType) -> bool:
         """Whether ``caller`` runs inside this thread's outermost root forward."""
@@ -40,6 +41,13 @@ class ThreadRoots(threading.local):
         return sample
 
 
+class ScopedRoots(ThreadRoots):
+    """Root forwards of an observer that records only inside scopes (a pipeline stage's
+    microbatches, :meth:`ti_core.gate.Gate.within`): every thread starts paused."""
+
+    paused = True
+
+
 def has_ancestor(frame: FrameType, target: FrameType | None) -> bool:
     """Whether ``target`` is ``frame`` or one of its callers."""
     while frame is not None:
@@ -49,4 +57,4 @@ def has_ancestor(frame: FrameType, target: FrameType | None) -> bool:
     return False
 
 
-__all__ = ["ThreadRoots", "has_ancestor"]
+__all__ = ["ScopedRoots", "ThreadRoots", "has_ancestor"]

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ti_dist.compare import compare_ranks
     from ti_dist.drift import Drift, first_drift, replica_drift
     from ti_dist.events import events_across_ranks, first_event
+    from ti_dist.pipelines import pipeline_rows
     from ti_dist.reading import (
         HistorySource,
         collect_streaming,
@@ -36,6 +37,7 @@ _LAZY = {
     "replica_drift": "ti_dist.drift",
     "events_across_ranks": "ti_dist.events",
     "first_event": "ti_dist.events",
+    "pipeline_rows": "ti_dist.pipelines",
     "HistorySource": "ti_dist.reading",
     "collect_streaming": "ti_dist.reading",
     "find_history_sources": "ti_dist.reading",
@@ -58,6 +60,7 @@ __all__ = [
     "find_history_sources",
     "first_drift",
     "first_event",
+    "pipeline_rows",
     "rank_subdir",
     "replica_drift",
     "scan_ranks",

@@ -1,11 +1,14 @@
-"""Combine the shards of a sharded parameter (FSDP2 ``fully_shard``) into whole-tensor rows.
+"""Combine the shards of a sharded tensor into whole-tensor rows: FSDP2 ``fully_shard``
+parameters, and tensor- or sequence-parallel outputs and output gradients (DTensors).
 
-Each rank measures the shard it holds; its rows say so in ``tensor_path``: the parameter's name,
-``@`` and its placements (``weight@S(0)``: sharded on dim 0 of a one-dimensional mesh;
-docs/data-contract.md, "Signals"). How each metric combines is declared with the metric
-(``ti_schema.MetricSpec.combine``, :data:`ti_schema.DEFAULT_PROFILE`); this module applies each
-rule once, for every metric that declares it. With ``n_r`` the finite entries of rank ``r``
-(``prod(shape_r) * (1 - nonfinite_fraction_r)``) and ``N = sum_r n_r``:
+Each rank measures the shard it holds; its rows say so in ``tensor_path``: the tensor's position
+(a parameter's name, an output's pytree position), ``@`` and its placements (``weight@S(0)``:
+sharded on dim 0 of a one-dimensional mesh), and ``#`` with the mesh's ranks when the mesh does
+not span the job (``@S(1)#2,3``: a tensor-parallel submesh; only those ranks are combined;
+``ti_schema.placements``, docs/data-contract.md, "Signals"). How each metric combines is
+declared with the metric (``ti_schema.MetricSpec.combine``, :data:`ti_schema.DEFAULT_PROFILE`);
+this module applies each rule once, for every metric that declares it. With ``n_r`` the finite
+entries of rank ``r`` (``prod(shape_r) * (1 - nonfinite_fraction_r)``) and ``N = sum_r n_r``:
 
 - ``finite_mean`` (``mean``): ``sum_r n_r mean_r / N``;
 - ``pooled_std`` (``std``): ``sqrt(sum_r n_r (std_r**2 + (mean_r - mean)**2) / N)``, around
@@ -39,8 +42,9 @@ from ti_schema import DEFAULT_PROFILE, MetricProfile, MetricSpec, profile_of
 KEY: Final[tuple[str, ...]] = ("layer", "call_index", "signal", "tensor_path")
 """One sharded tensor; rows also line up on ``sample_id`` (or ``forward_index``)."""
 
-SHARD_PATH: Final[str] = r"^(?P<name>.*)@S\((?P<dim>\d+)\)$"
-"""A ``tensor_path`` of a tensor sharded on one dim of a one-dimensional mesh."""
+SHARD_PATH: Final[str] = r"^(?P<name>.*)@S\((?P<dim>\d+)\)(?:#(?P<ranks>\d+(?:,\d+)*))?$"
+"""A ``tensor_path`` of a tensor sharded on one dim of a one-dimensional mesh, with the mesh's
+ranks when it does not span the job (``ti_schema.placements``)."""
 
 FINITE_WEIGHT: Final[str] = "nonfinite_fraction"
 """The metric every shard's finite-entry count follows from (the weights of the rules)."""
@@ -133,6 +137,7 @@ def _combined_rows(
     sharded = frame.filter(pl.col("tensor_path").str.contains(SHARD_PATH)).with_columns(
         pl.col("tensor_path").str.extract(SHARD_PATH, 1).alias("parameter"),
         pl.col("tensor_path").str.extract(SHARD_PATH, 2).cast(pl.Int64).alias("_dim"),
+        pl.col("tensor_path").str.extract(SHARD_PATH, 3).alias("_mesh"),
         pl.col("value").cast(pl.Float64),
     )
 
@@ -142,6 +147,7 @@ def _combined_rows(
     per_rank = sharded.group_by([*key, "rank"]).agg(
         pl.col("parameter").first(),
         pl.col("_dim").first(),
+        pl.col("_mesh").first(),
         pl.col("shape").first(),
         *(metric(name) for name in combined),
     )
@@ -153,6 +159,7 @@ def _combined_rows(
         .agg(
             pl.col("parameter").first(),
             pl.col("_dim").first(),
+            pl.col("_mesh").first(),
             pl.col("rank").alias("ranks"),
             pl.col("shape").alias("shapes"),
             *(pl.col(name).alias(f"{name}s") for name in combined),
@@ -198,7 +205,11 @@ def _combine(
         for m in profile
         if m.combine is None
     }
-    missing = [r for r in all_ranks if r not in ranks]
+    # a mesh that does not span the job names its ranks in the path (a tensor-parallel
+    # submesh of a 2D mesh): only they hold parts of this tensor
+    mesh = group["_mesh"]
+    holders = [int(r) for r in mesh.split(",")] if mesh else all_ranks
+    missing = [r for r in holders if r not in ranks]
     # A shard with entries must have every value the rules use (those over the finite entries
     # only when it has finite entries); an empty shard contributes nothing and needs nothing.
     lacking = [

@@ -240,6 +240,31 @@ def recorded_world(directory: Path) -> tuple[int | None, str | None]:
     return (int(size.group(1)) if size else None), recorded if isinstance(recorded, str) else None
 
 
+_INDEX_SETTING: Final[re.Pattern[str]] = re.compile(r'^setting:\s+(".*") = (".*")$', re.M)
+
+
+def recorded_settings(directory: Path) -> dict[str, str]:
+    """The run settings the rank run in ``directory`` recorded: from run.json while it is
+    live, from index.md (ti-io's own lines, JSON literals) once finalized; empty where
+    unknown."""
+    facts = read_run_facts(directory)
+    if facts.settings:
+        return dict(facts.settings)
+    try:
+        text = (directory / INDEX_FILE).read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for key, value in _INDEX_SETTING.findall(text):
+        try:
+            k, v = json.loads(key), json.loads(value)
+        except ValueError:
+            continue
+        if isinstance(k, str) and isinstance(v, str):
+            found[k] = v
+    return found
+
+
 def started_at_text(value: str | None) -> str:
     """ISO timestamp as written, or 'unknown'."""
     if value is None:

@@ -73,7 +73,8 @@ _IDENTITY: Final[tuple[tuple[str, pa.DataType, bool, str], ...]] = (
         False,
         "output signals: position of the tensor in the output pytree, '' for a bare tensor,"
         " else e.g. [0] or ['logits']; parameter signals: the parameter's name in the module,"
-        " e.g. weight (a DTensor shard adds its placements: weight@S(0))",
+        " e.g. weight; a DTensor part adds its placements (weight@S(0), @S(1)#0,1:"
+        " ti_schema.placements)",
     ),
     ("mode", pa.string(), False, "'train' or 'eval': the module's own training flag at the call"),
     (

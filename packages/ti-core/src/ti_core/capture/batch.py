@@ -18,6 +18,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
+from ti_core.capture.sharding import is_sharded, measurable, placements_suffix, shape_of
 from ti_core.capture.snapshots import SnapshotPool
 from ti_core.entries import Entries, Entry
 from ti_core.reduction import layout
@@ -25,6 +26,7 @@ from ti_core.reduction.histograms import DEFAULT_BINS, HistogramRows
 from ti_core.reduction.plan import ReductionPlan
 from ti_core.reduction.slots import SlotReduction
 from ti_core.reduction.support import dtype_name
+from ti_schema import PLACEMENT_MISMATCH_REASON
 
 SNAPSHOT_BUDGET_BYTES: Final[int] = 64 * 2**20
 """Tensors are cloned for a batched reduction until a batch holds this much; beyond it, pending
@@ -284,13 +286,23 @@ class TensorBatch:
         elif self._source is not source:  # pragma: no cover - one gradient state, one source
             raise ValueError("a batch derives entries from one source")
         focus = self._focus
-        slot = self._slot(tensor, any(source[r][0] in focus for r in picks))
+        reason = None
+        if type(tensor) is not torch.Tensor and is_sharded(tensor):
+            # the rows take their path, placements included, from the output they answer
+            expected = source[picks[0]][2]
+            got = placements_suffix(tensor)
+            if not expected.endswith(got):
+                placed = expected[expected.rfind("@") + 1 :] if "@" in expected else "none"
+                reason = PLACEMENT_MISMATCH_REASON.format(gradient=got[1:], output=placed)
+        slot = self._slot(tensor, any(source[r][0] in focus for r in picks), reason)
         self._picks += picks
         self._pick_slot += [slot] * len(picks)
         self._pick_stamp += [timestamp_us] * len(picks)
 
-    def _slot(self, tensor: torch.Tensor, focus: bool) -> int:
-        """The slot of ``tensor``: the same unchanged tensor seen before, or a new snapshot."""
+    def _slot(self, tensor: torch.Tensor, focus: bool, reason: str | None = None) -> int:
+        """The slot of ``tensor``: the same unchanged tensor seen before, or a new snapshot
+        (or, for a tensor that is not plain, a slot without one and with the ``reason`` it is
+        not measured, :func:`~ti_core.capture.sharding.measurable`)."""
         key = id(tensor)
         version = tensor_version(tensor)
         seen = self._seen.get(key)
@@ -300,6 +312,11 @@ class TensorBatch:
                 self._slot_focus[slot] = True
             return slot
         t = tensor.detach()
+        if type(t) is not torch.Tensor or t.is_nested:
+            t, not_measured = measurable(t)
+            reason = reason or not_measured
+            if reason is not None:
+                return self._unavailable_slot(t, key, version, tensor, focus, reason)
         if t.device.type != "cpu":
             self.host_only = False
         nbytes = t.numel() * t.element_size()
@@ -326,6 +343,25 @@ class TensorBatch:
             # The capturing thread waits for this pass; a helper thread may share it only
             # where the user let torch use more than one intra-op thread.
             self._reduce_pending(parallel=torch.get_num_threads() > 1)
+        return slot
+
+    def _unavailable_slot(
+        self,
+        t: torch.Tensor,
+        key: int,
+        version: int | None,
+        tensor: torch.Tensor,
+        focus: bool,
+        reason: str,
+    ) -> int:
+        """A slot for ``tensor``, which is not measured (``reason``): its rows are null."""
+        slot = len(self._slot_focus)
+        self._slot_focus.append(False)  # no histogram either
+        self._slot_shape.append(shape_of(t))
+        self._slot_dtype.append(dtype_name(t.dtype))
+        if version is not None:
+            self._seen[key] = (weakref.ref(tensor), version, slot)
+        self._reduction.unavailable(slot, reason)
         return slot
 
     def _reduce_pending(self, parallel: bool = False) -> None:

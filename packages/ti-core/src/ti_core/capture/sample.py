@@ -22,6 +22,7 @@ from ti_core.capture.ended import EndedSignal
 from ti_core.capture.gradients import GradientState, GradientTarget
 from ti_core.capture.parameters import ParameterSample
 from ti_core.capture.paths import tensor_leaves
+from ti_core.capture.sharding import leaf_path
 from ti_core.entries import Gaps
 from ti_core.stages import stage_of
 from ti_schema import DEFAULT_SIGNALS
@@ -109,12 +110,15 @@ class Sample:
         call = calls.get(layer, 0)
         calls[layer] = call + 1
         if isinstance(output, _Tensor):
+            path = "" if type(output) is _Tensor else leaf_path("", output)
             if self.parameters is not None:
-                self.parameters.record_call(layer, module, [("", output)])
+                self.parameters.record_call(layer, module, [(path, output)])
             if self.snapshots:
-                self._record(layer, call, "", bool(module.training), output, _time_ns() // 1000)
+                self._record(layer, call, path, bool(module.training), output, _time_ns() // 1000)
             return
-        leaves = tensor_leaves(output)
+        leaves = [
+            (p if type(t) is _Tensor else leaf_path(p, t), t) for p, t in tensor_leaves(output)
+        ]
         if self.parameters is not None:
             self.parameters.record_call(layer, module, leaves)
         if not leaves or not self.snapshots:

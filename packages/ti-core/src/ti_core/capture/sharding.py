@@ -1,17 +1,30 @@
-"""DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism): what this rank holds, and
-how its rows say so (docs/data-contract.md, "Signals")."""
+"""Tensors that are not plain: DTensors (FSDP2's ``fully_shard``, tensor and sequence
+parallelism), nested tensors and other subclasses. What this rank measures of each, and how its
+rows say so (``ti_schema.placements``; docs/data-contract.md, "Signals").
+
+Nothing here issues a collective: a DTensor is read through ``to_local()`` only.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+from ti_schema import PARTIAL_REASON, SUBCLASS_REASON, sharded_path
 
 # Looked up, never imported: importing torch.distributed.tensor costs about 0.4 s and 40 MB
 # (sympy, symbolic shapes) in every process, and a DTensor can only exist once whoever made it
 # (FSDP2, tensor parallelism, the user) has imported that module.
 _DTENSOR_MODULE = "torch.distributed.tensor"
+
+_Tensor = torch.Tensor
+_SUFFIXES: dict[tuple[int, tuple[object, ...]], tuple[Any, str]] = {}
+"""(id of the mesh, placements) -> (the mesh, the path suffix): a suffix is built once (the
+mesh is held, so its id is not reused while cached)."""
+_MAX_SUFFIXES = 64
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -29,13 +42,91 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach()
 
 
+def placements_suffix(tensor: torch.Tensor) -> str:
+    """What a DTensor's ``tensor_path`` adds to its position: ``@`` and its placements, and
+    ``#`` with its mesh's ranks when the mesh does not span the job (``ti_schema.placements``)."""
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    placements: tuple[object, ...] = tuple(tensor.placements)  # type: ignore[attr-defined]
+    key = (id(mesh), placements)
+    cached = _SUFFIXES.get(key)
+    if cached is not None and cached[0] is mesh:
+        return cached[1]
+    ranks: list[int] = [int(r) for r in mesh.mesh.flatten().tolist()]
+    spans = (
+        not torch.distributed.is_available()
+        or not torch.distributed.is_initialized()
+        or len(ranks) == torch.distributed.get_world_size()
+    )
+    suffix = sharded_path("", placements, None if spans else ranks)
+    if len(_SUFFIXES) >= _MAX_SUFFIXES:  # meshes made again and again: keep none alive
+        _SUFFIXES.clear()
+    _SUFFIXES[key] = (mesh, suffix)
+    return suffix
+
+
 def parameter_path(name: str, param: torch.Tensor) -> str:
     """The ``tensor_path`` of a parameter: its name in the module; a DTensor adds ``@`` and its
-    placements, one per mesh dimension as DTensor prints them (``weight@S(0)``)."""
+    placements, one per mesh dimension as DTensor prints them (``weight@S(0)``), and its mesh's
+    ranks when the mesh does not span the job."""
     if not is_sharded(param):
         return name
-    placements: Sequence[object] = param.placements  # type: ignore[attr-defined]
-    return f"{name}@{','.join(str(p) for p in placements)}"
+    return name + placements_suffix(param)
 
 
-__all__ = ["is_sharded", "local_tensor", "parameter_path"]
+def leaf_path(path: str, tensor: torch.Tensor) -> str:
+    """The ``tensor_path`` of an output tensor at pytree position ``path``: a DTensor adds its
+    placements (:func:`placements_suffix`)."""
+    if type(tensor) is _Tensor or not is_sharded(tensor):
+        return path
+    return path + placements_suffix(tensor)
+
+
+def measurable(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+    """The plain tensor whose entries are ``tensor``'s measured entries on this rank, and None;
+    or ``tensor`` detached and why it is not measured.
+
+    - a DTensor: its local part (``to_local()``); a ``Partial`` one is not measured
+      (``ti_schema.PARTIAL_REASON``): its local part is a summand, not values of the tensor;
+    - a nested tensor: every entry of its components, flattened (a jagged one's ``values()``);
+    - a subclass that does not override ``__torch_dispatch__`` (its entries live in its own
+      storage): itself as a plain tensor;
+    - any other subclass (a wrapper such as a float8 training tensor): not measured, the reason
+      naming its type (``ti_schema.SUBCLASS_REASON``).
+    """
+    t = tensor.detach()
+    if type(t) is _Tensor and not t.is_nested:
+        return t, None
+    if is_sharded(t):
+        placements: Sequence[Any] = t.placements  # type: ignore[attr-defined]
+        if any(p.is_partial() for p in placements):
+            names = ",".join(str(p) for p in placements)
+            return t, PARTIAL_REASON.format(placements=names)
+        return t.to_local().detach(), None  # type: ignore[attr-defined]
+    if t.is_nested:
+        if t.layout == torch.jagged:
+            return t.values().detach(), None
+        parts = [part.reshape(-1) for part in t.unbind()]
+        return (torch.cat(parts) if parts else t.new_empty(0)), None
+    kind = type(t)
+    if not any("__torch_dispatch__" in vars(c) for c in kind.__mro__ if c is not _Tensor):
+        return t.as_subclass(_Tensor), None
+    return t, SUBCLASS_REASON.format(type=f"{kind.__module__}.{kind.__qualname__}")
+
+
+def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
+    """``tensor``'s shape as integers; () where one is not (a jagged dim)."""
+    try:
+        return tuple(int(s) for s in tensor.shape)
+    except (TypeError, RuntimeError, ValueError):
+        return ()
+
+
+__all__ = [
+    "is_sharded",
+    "leaf_path",
+    "local_tensor",
+    "measurable",
+    "parameter_path",
+    "placements_suffix",
+    "shape_of",
+]

@@ -99,6 +99,15 @@ class SlotReduction:
         if self._on_reduced is not None:
             self._on_reduced()
 
+    def unavailable(self, slot: int, reason: str) -> None:
+        """``slot`` is not measured (a tensor without a plain representation): its values are
+        null with ``reason``."""
+        m = self._n_metrics
+        self._values.append(np.full((1, m), np.nan))
+        self._available.append(np.zeros((1, m), dtype=np.bool_))
+        self._reasons.append([reason] * m)
+        self._reduced_slots.append(slot)
+
     def rows(
         self, slot_of: Sequence[int], n_slots: int
     ) -> tuple[np.ndarray, np.ndarray, Sequence[list[str | None]]]:

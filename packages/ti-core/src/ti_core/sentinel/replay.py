@@ -200,6 +200,9 @@ class Replayer:
         self._module_refs = [weakref.ref(m) for m in modules]
         self._names = list(names)
         self._rank = rank
+        self.next_stage: int | None = None
+        """The next stage's index when the model is a pipeline stage other than the last (its
+        output's gradient comes from that stage's rank), else None."""
         self._reduced = reduced
         """Whether the step's parameter gradients are known to be reduced across ranks."""
         self._bypass = bypass
@@ -352,6 +355,15 @@ class Replayer:
                 "(what it received was finite): real numerics",
                 tuple(f.layer for f in outputs),
                 tuple(f.path for f in outputs),
+            )
+        if kind == "root_gradient" and self.next_stage is not None:
+            return Verdict(
+                "from_another_rank",
+                "the gradient flowing into this pipeline stage's output was already not finite "
+                f"when it arrived from stage {self.next_stage}: the non-finite value came from "
+                f"that stage's rank ({where} replays its own part clean up to there)",
+                (ROOT,),
+                (first.path,),
             )
         if kind == "root_gradient":
             return Verdict(
