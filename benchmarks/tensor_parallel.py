@@ -11,10 +11,11 @@ shares (the TP steps' collectives pair up), per round:
   again) / ``tp sampled`` (``AlwaysSampler``);
 - ``local bare`` / ``local sampled``.
 
-Rank 0 prints each variant's median block time per step and the ratios ``tp sampled / tp
-bare``, ``tp unsampled / tp bare``, ``local sampled / local bare``, and the milliseconds a
-sample adds to each: with nothing gathered, a sampled TP step should add what sampling the
-local tensors adds.
+Rank 0 prints each variant's median block time per step (and the CPU time of the training
+thread: what the step itself computes, without the waits for the other rank) and the ratios
+``tp sampled / tp bare``, ``tp unsampled / tp bare``, ``local sampled / local bare``, and the
+milliseconds a sample adds to each: with nothing gathered, a sampled TP step should add what
+sampling the local tensors adds.
 
     python benchmarks/tensor_parallel.py --dim 512 --rounds 9 --steps 20
 """
@@ -109,20 +110,23 @@ def _worker(rank: int, cfg: dict[str, Any]) -> None:
         for _ in range(3):
             step()
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
     order = random.Random(7)  # the same order on every rank: the TP steps' collectives pair up
     for _ in range(cfg["rounds"]):
         names = list(VARIANTS)
         order.shuffle(names)
         for name in names:
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             for _ in range(cfg["steps"]):
                 steps[name]()
             times[name].append((time.perf_counter() - start) / cfg["steps"])
+            cpu[name].append((time.thread_time() - start_cpu) / cfg["steps"])
     for model in models:
         ti_core.remove_observer(model)
     if rank == 0:
         medians = {name: statistics.median(t) for name, t in times.items()}
+        medians.update({f"{name} cpu": statistics.median(t) for name, t in cpu.items()})
         print(json.dumps(medians))
     dist.barrier()
     dist.destroy_process_group()
@@ -158,14 +162,21 @@ def main(argv: list[str] | None = None) -> None:
     medians = json.loads(out.strip().splitlines()[-1])
     print(f"tensor-parallel MLP, d={args.dim}, batch {args.batch}, {WORLD} gloo ranks (rank 0)")
     for name in VARIANTS:
-        print(f"  {name:<14} {medians[name] * 1e3:8.3f} ms/step")
+        print(
+            f"  {name:<14} {medians[name] * 1e3:8.3f} ms/step, training thread's CPU "
+            f"{medians[name + ' cpu'] * 1e3:8.3f} ms/step"
+        )
     for over, under in (
         ("tp unsampled", "tp bare"),
         ("tp sampled", "tp bare"),
         ("local sampled", "local bare"),
     ):
         added = (medians[over] - medians[under]) * 1e3
-        print(f"  {over} / {under}: {medians[over] / medians[under]:.3f}x ({added:+.3f} ms)")
+        added_cpu = (medians[over + " cpu"] - medians[under + " cpu"]) * 1e3
+        print(
+            f"  {over} / {under}: {medians[over] / medians[under]:.3f}x ({added:+.3f} ms; "
+            f"training thread's CPU {added_cpu:+.3f} ms)"
+        )
 
 
 if __name__ == "__main__":

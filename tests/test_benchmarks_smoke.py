@@ -310,11 +310,10 @@ def test_reference_python_runs_a_second_tree_in_the_same_rounds(tmp_path: Path) 
     assert table.count("sequence") == 1
 
 
-def _sentinel_parts(tmp_path: Path, mode: str) -> list[str]:
-    """The output lines of benchmarks/sentinel_parts.py ``mode`` on one round of two steps."""
-    script = str(ROOT / "benchmarks" / "sentinel_parts.py")
+def _benchmark(tmp_path: Path, script: str, *args: str) -> list[str]:
+    """The output lines of ``benchmarks/<script>`` run with ``args`` (it must succeed)."""
     done = subprocess.run(
-        [sys.executable, script, mode, "--rounds", "1", "--steps", "2"],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
         timeout=240,
@@ -322,6 +321,11 @@ def _sentinel_parts(tmp_path: Path, mode: str) -> list[str]:
     )
     assert done.returncode == 0, done.stderr + done.stdout
     return done.stdout.strip().splitlines()
+
+
+def _sentinel_parts(tmp_path: Path, mode: str) -> list[str]:
+    """The output lines of benchmarks/sentinel_parts.py ``mode`` on one round of two steps."""
+    return _benchmark(tmp_path, "sentinel_parts.py", mode, "--rounds", "1", "--steps", "2")
 
 
 def test_sentinel_parts_times_every_eager_variant(tmp_path: Path) -> None:
@@ -357,16 +361,9 @@ def test_sentinel_replay_benchmark_times_each_variant_and_a_replay(tmp_path: Pat
     """benchmarks/sentinel_replay.py runs end to end on one short round of the eager workload:
     a ratio for the observer, replay mode and dense mode, the target line, and the cost of one
     replay (no timing is asserted)."""
-    script = str(ROOT / "benchmarks" / "sentinel_replay.py")
-    done = subprocess.run(
-        [sys.executable, script, "--workloads", "sequence", "--rounds", "1", "--steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
+    lines = _benchmark(
+        tmp_path, "sentinel_replay.py", "--workloads", "sequence", "--rounds", "1", "--steps", "2"
     )
-    assert done.returncode == 0, done.stderr + done.stdout
-    lines = done.stdout.strip().splitlines()
     assert lines[0].startswith("sequence (eager): bare step ")
     variants = {line.split()[0]: line for line in lines[1:4]}
     assert set(variants) == {"observer", "replay", "dense"}
@@ -379,16 +376,9 @@ def test_sentinel_replay_benchmark_times_each_variant_and_a_replay(tmp_path: Pat
 def test_tensor_parallel_benchmark_times_every_variant(tmp_path: Path) -> None:
     """benchmarks/tensor_parallel.py runs a 2-rank gloo job end to end on one short round: a
     time per variant and the three ratios (no timing is asserted)."""
-    script = str(ROOT / "benchmarks" / "tensor_parallel.py")
-    done = subprocess.run(
-        [sys.executable, script, "--dim", "64", "--rounds", "1", "--steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
+    lines = _benchmark(
+        tmp_path, "tensor_parallel.py", "--dim", "64", "--rounds", "1", "--steps", "2"
     )
-    assert done.returncode == 0, done.stderr + done.stdout
-    lines = done.stdout.strip().splitlines()
     assert lines[0].startswith("tensor-parallel MLP, d=64, batch 64, 2 gloo ranks")
     times = {line.split("  ")[1].strip(): line for line in lines[1:6]}
     assert set(times) == {"tp bare", "tp unsampled", "tp sampled", "local bare", "local sampled"}

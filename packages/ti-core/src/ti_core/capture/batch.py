@@ -311,9 +311,10 @@ class TensorBatch:
             if focus:
                 self._slot_focus[slot] = True
             return slot
-        t = tensor.detach()
-        if type(t) is not torch.Tensor or t.is_nested:
-            t, not_measured = measurable(t)
+        if type(tensor) is torch.Tensor and not tensor.is_nested:
+            t = tensor.detach()
+        else:
+            t, not_measured = measurable(tensor)
             reason = reason or not_measured
             if reason is not None:
                 return self._unavailable_slot(t, key, version, tensor, focus, reason)

@@ -29,7 +29,7 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from ti_core.capture.sharding import is_sharded
+from ti_core.capture.sharding import is_sharded, local_tensor
 from ti_core.compiled.slots import Flagged, can_be_nonfinite, real_view
 
 _STRIDED: Final = torch.strided
@@ -52,7 +52,7 @@ def real_values(tensor: Tensor) -> Tensor | None:
     (integers, booleans, no entries) or is not a dense tensor."""
     if type(tensor) is not Tensor and is_sharded(tensor):
         # this rank's part, read without a collective (a DTensor's own reductions issue one)
-        tensor = tensor.to_local()  # type: ignore[attr-defined]
+        tensor = local_tensor(tensor)
     if tensor.layout is not _STRIDED or not tensor.numel():
         return None
     if not can_be_nonfinite(tensor.dtype):
