@@ -388,3 +388,31 @@ def test_a_miscounted_stage_warns_that_its_microbatches_are_wrong(pipeline_job: 
             "step and microbatch derived from forward_index are wrong from here on (pass "
             "inject_stage_observer(microbatches=) the schedule's n_microbatches)"
         ]
+
+
+def test_ti_shards_prints_the_combined_tensors(
+    job2: Path, pipeline_job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ti shards``: the whole tensors, as combine_shards has them; exit 2 when there is
+    nothing sharded."""
+    from ti_io.cli import main
+
+    run = job2 / "sp"
+    assert main(["shards", str(run), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == combine_shards(run).height
+    assert main(["shards", str(run), "--layer", "up", "--metric", "std"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"ti shards: 2 sharded tensors of {run}, whole-tensor values")
+    assert "│ up " in out
+    assert "norm" not in out
+    assert "mean" not in out
+    latest = (
+        combine_shards(run)
+        .filter(pl.col("layer") == "up", pl.col("signal") == "output", pl.col("metric") == "std")
+        .sort("sample_id")
+        .row(-1, named=True)
+    )
+    assert f"{latest['value']:.6f}"[:6] in out
+    assert main(["shards", str(pipeline_job / "gpipe")]) == 2
+    assert "no sharded tensor" in capsys.readouterr().err

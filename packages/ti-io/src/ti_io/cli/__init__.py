@@ -38,7 +38,7 @@ COMMANDS_GROUP: Final[str] = "ti.commands"
 """The entry-point group of the commands other packages add (a module with ``add_parser`` and
 ``run`` each)."""
 
-PLUGIN_PACKAGES: Final[dict[str, str]] = {"drift": "ti-dist"}
+PLUGIN_PACKAGES: Final[dict[str, str]] = {"drift": "ti-dist", "shards": "ti-dist"}
 """The commands other TorchInstruments packages add, and the package that adds each."""
 
 
