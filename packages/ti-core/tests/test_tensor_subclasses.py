@@ -41,7 +41,32 @@ class Wrapper(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         unwrap = tree_map(lambda t: t.inner if isinstance(t, Wrapper) else t, args)
         out = func(*unwrap, **(kwargs or {}))
-        return tree_map(lambda t: Wrapper(t) if isinstance(t, torch.Tensor) else t, out)
+        return tree_map(lambda t: cls(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+class PassThrough(Wrapper):
+    """A traceable wrapper holding one plain tensor of its shape and dtype (as torchao's
+    float8 training weights do): its entries are that tensor's."""
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], meta: Any, size: Any, stride: Any
+    ) -> PassThrough:
+        return PassThrough(inner["inner"])
+
+
+class Scaled(Wrapper):
+    """A traceable wrapper whose entries are an encoding: data and a scale."""
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        super().__init__(inner)
+        self.scale = torch.ones(())
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["inner", "scale"], None
 
 
 class Outputs(nn.Module):
@@ -52,6 +77,8 @@ class Outputs(nn.Module):
             "jagged": torch.nested.nested_tensor(list(rows), layout=torch.jagged),
             "tagged": (x * 3).as_subclass(Tagged),
             "wrapped": Wrapper(x * 4),
+            "passed": PassThrough(x * 5),
+            "scaled": Scaled(x * 6),
         }
 
 
@@ -81,6 +108,14 @@ def test_subclass_outputs_are_measured_exactly_or_named() -> None:
         f"a tensor subclass ({__name__}.Wrapper) without a plain representation: not measured"
     }
     assert wrapped[0]["shape"] == [8, 5]
+    passed = stats(table, signal="output", tensor_path="['passed']")
+    assert_matches(passed, reference((x * 5).numpy()))
+    scaled = [
+        r for r in table.to_pylist() if r["tensor_path"] == "['scaled']" and r["signal"] == "output"
+    ]
+    assert {r["unavailable_reason"] for r in scaled} == {
+        f"a tensor subclass ({__name__}.Scaled) without a plain representation: not measured"
+    }
 
 
 def test_jagged_output_gradients_are_measured_exactly() -> None:

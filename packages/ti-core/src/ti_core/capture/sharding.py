@@ -93,8 +93,10 @@ def measurable(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
     - a nested tensor: every entry of its components, flattened (a jagged one's ``values()``);
     - a subclass that does not override ``__torch_dispatch__`` (its entries live in its own
       storage): itself as a plain tensor;
-    - any other subclass (a wrapper such as a float8 training tensor): not measured, the reason
-      naming its type (``ti_schema.SUBCLASS_REASON``).
+    - a wrapper subclass holding exactly one plain tensor of its shape and dtype (its
+      ``__tensor_flatten__``): that tensor;
+    - any other subclass (a wrapper such as a float8 training tensor: data and scale): not
+      measured, the reason naming its type (``ti_schema.SUBCLASS_REASON``).
     """
     if is_sharded(tensor):
         local = local_tensor(tensor)
@@ -114,7 +116,34 @@ def measurable(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
     kind = type(t)
     if not any("__torch_dispatch__" in vars(c) for c in kind.__mro__ if c is not _Tensor):
         return t.as_subclass(_Tensor), None
+    inner = _pass_through(t)
+    if inner is not None:
+        return inner, None
     return t, SUBCLASS_REASON.format(type=f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _pass_through(t: torch.Tensor) -> torch.Tensor | None:
+    """The one plain tensor a traceable wrapper subclass holds (``__tensor_flatten__`` names
+    exactly one inner tensor, of the wrapper's shape and dtype: e.g. torchao's
+    ``WeightWithDynamicFloat8CastTensor``, a float8 training weight kept in high precision),
+    detached; None for any other (several inner tensors, as a float8 tensor's data and scale,
+    or another shape or dtype: an encoding ti-core cannot read)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if not callable(flatten):
+        return None
+    try:
+        names = flatten()[0]
+    except Exception:
+        return None
+    if len(names) != 1:
+        return None
+    inner = getattr(t, names[0], None)
+    if not isinstance(inner, _Tensor):
+        return None
+    inner = inner.detach()  # a Parameter's (torchao keeps one) is plain
+    if type(inner) is not _Tensor or inner.shape != t.shape or inner.dtype != t.dtype:
+        return None
+    return inner
 
 
 def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
