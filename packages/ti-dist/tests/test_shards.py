@@ -146,3 +146,39 @@ def test_bad_arguments() -> None:
         combine_shards(42)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="align_on must be"):
         combine_shards(pl.DataFrame(), align_on="step")  # type: ignore[arg-type]
+
+
+def test_stability_metrics_combine_where_declared(tmp_path: Path) -> None:
+    """rms and max_abs (ti_schema.stability) combine exactly from the shards; kurtosis is
+    null with its declared reason."""
+    from ti_schema import STABILITY_METRICS
+    from ti_schema.stability import KURTOSIS
+
+    rng = np.random.default_rng(12)
+    whole = rng.standard_t(4, size=(10, 6))
+    whole[3, 3] = np.inf
+
+    def stability(values: np.ndarray) -> dict[str, float]:
+        f = values[np.isfinite(values)]
+        d = f - f.mean()
+        return {
+            "rms": float(np.sqrt((f * f).mean())),
+            "kurtosis": float((d**4).mean() / (d**2).mean() ** 2 - 3),
+            "max_abs": float(np.abs(f).max()),
+        }
+
+    for rank, block in enumerate((whole[:3], whole[3:])):
+        rows = shard_rows(rank, 0, block)
+        for metric, value in stability(block).items():
+            rows.append({**rows[0], "metric": metric, "value": value})
+        write(tmp_path / f"rank-{rank:03d}", rows)
+    table = combine_shards(tmp_path)
+    got = {r["metric"]: r for r in table.iter_rows(named=True)}
+    assert set(STABILITY_METRICS) <= set(got)
+    want = stability(whole)
+    for metric in ("rms", "max_abs"):
+        assert got[metric]["value"] == pytest.approx(want[metric], rel=1e-12), metric
+    assert got["kurtosis"]["value"] is None
+    assert got["kurtosis"]["unavailable_reason"] == (
+        f"not combinable: {KURTOSIS.not_combinable} (each rank's own rows have them)"
+    )

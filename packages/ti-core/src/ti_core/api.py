@@ -29,6 +29,7 @@ from ti_core.ranks import RankPolicy
 from ti_core.records import RunColumns
 from ti_core.reduction.plan import ReducerSpec, ReductionPlan, default_reducers
 from ti_core.reduction.precision import with_precision
+from ti_core.reduction.stability import with_metrics
 from ti_core.sampling import (
     DEFAULT_INTERVAL,
     Sampler,
@@ -39,7 +40,14 @@ from ti_core.selection import Selector, select_modules, unwrap_model
 from ti_core.sentinel import Event, Sentinel, resolve_sentinel
 from ti_core.sentinel.options import check_forwards
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
-from ti_schema import DEFAULT_SIGNALS, SIGNALS, Signal, histogram_schema, history_schema
+from ti_schema import (
+    DEFAULT_METRICS,
+    DEFAULT_SIGNALS,
+    SIGNALS,
+    Signal,
+    histogram_schema,
+    history_schema,
+)
 from ti_schema.precision import check_formats
 
 
@@ -195,6 +203,7 @@ def inject_observer(
     precision: Collection[str] = (),
     sentinel: bool | Sentinel = True,
     settings: Mapping[str, str] | None = None,
+    metrics: Collection[str] = DEFAULT_METRICS,
 ) -> None:
     """Attach an observer that records selected modules' outputs and output gradients.
 
@@ -234,6 +243,11 @@ def inject_observer(
     not replayable), and samples the next ``dense_forwards`` root forwards in full.
     ``Sentinel(...)`` sets its options (``mode="dense"``: every module checked on every
     forward, no replay); ``False`` turns it off (docs/capture.md, "Flight recorder").
+
+    ``metrics`` (default: the nine of the default profile, ``ti_schema.DEFAULT_METRICS``): the
+    declared metrics each measured tensor gets; add ``ti_schema.STABILITY_METRICS`` (``rms``,
+    ``kurtosis``, ``max_abs``) for what the training-instability literature watches
+    (docs/metrics.md). ``mean``, ``std``, ``min`` and ``max`` are always kept.
 
     ``settings`` (default none): the caller's own run settings, string to string, recorded
     beside ti-core's (run.json, index.md) for readers to find (e.g. an experiment's tag;
@@ -286,7 +300,7 @@ def inject_observer(
     target = unwrap_model(model)
     selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
     adapted = legacy.adapt_reducers(default_reducers() if reducers is None else reducers)
-    plan = ReductionPlan(with_precision(adapted.reducers, precision))
+    plan = ReductionPlan(with_precision(with_metrics(adapted.reducers, metrics), precision))
     sinks = _resolve_sinks(output_dir, legacy.adapt_sinks(sink, selection.modules))
     capabilities = read_capabilities(sinks)  # TypeError for a malformed one, before any opens
     ranks = resolve.select_rank(policy)
@@ -500,6 +514,7 @@ class ObserverOptions(TypedDict, total=False):
     sentinel: bool | Sentinel
     precision: Collection[str]
     settings: Mapping[str, str] | None
+    metrics: Collection[str]
 
 
 @contextmanager

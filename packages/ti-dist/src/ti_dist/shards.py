@@ -14,6 +14,7 @@ entries of rank ``r`` (``prod(shape_r) * (1 - nonfinite_fraction_r)``) and ``N =
 - ``pooled_std`` (``std``): ``sqrt(sum_r n_r (std_r**2 + (mean_r - mean)**2) / N)``, around
   the metric it is pooled with (population std);
 - ``min`` / ``max``: the smallest / largest of the shards';
+- ``root_mean_square`` (``rms``, a stability metric): ``sqrt(sum_r n_r rms_r**2 / N)``;
 - ``entry_mean`` (``zero_fraction``, ``nonfinite_fraction``, the precision fractions):
   the shards' counts (``round(prod(shape_r) * fraction_r)``) added, over the whole tensor's
   element count: exact;
@@ -279,6 +280,8 @@ def _apply_rules(
             reasons[name] = NO_FINITE_REASON
         elif m.combine == "finite_mean":
             values[name] = sum(n * s[name] for n, s in finite) / total
+        elif m.combine == "root_mean_square":
+            values[name] = math.sqrt(sum(n * s[name] * s[name] for n, s in finite) / total)
         elif m.combine == "pooled_std":
             center, mean = values[m.pooled_with], m.pooled_with
             assert center is not None  # combined before, from the same shards

@@ -66,6 +66,7 @@ from ti_schema.placements import (
     sharded_path,
 )
 from ti_schema.precision import (
+    DECLARED_PROFILE,
     FULL_PRECISION_PROFILE,
     PRECISION_FORMATS,
     PRECISION_METRICS,
@@ -102,6 +103,7 @@ from ti_schema.sink import (
     SinkCapabilities,
     sink_capabilities,
 )
+from ti_schema.stability import STABILITY_METRICS, STABILITY_SPECS
 from ti_schema.validate import (
     type_matches,
     validate_events,
@@ -113,6 +115,7 @@ from ti_schema.version import SCHEMA_VERSION
 __all__ = [
     "COMBINE_RULES",
     "COST_METHOD",
+    "DECLARED_PROFILE",
     "DEFAULT_METRICS",
     "DEFAULT_PROFILE",
     "DEFAULT_SIGNALS",
@@ -150,6 +153,8 @@ __all__ = [
     "SIGNAL_ADDED_IN",
     "SIGNAL_DECLARATION",
     "SIGNAL_DEFINITIONS",
+    "STABILITY_METRICS",
+    "STABILITY_SPECS",
     "SUBCLASS_REASON",
     "UNRECORDABLE_COLUMNS",
     "Barrier",

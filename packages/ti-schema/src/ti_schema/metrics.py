@@ -19,7 +19,7 @@ Over = Literal["finite", "all"]
 every entry (the denominator of a fraction is the element count; available for any non-empty
 tensor)."""
 
-Combine = Literal["finite_mean", "pooled_std", "min", "max", "entry_mean"]
+Combine = Literal["finite_mean", "pooled_std", "min", "max", "entry_mean", "root_mean_square"]
 """How the shards of one tensor (one per rank) combine exactly into the whole tensor's value:
 
 - ``finite_mean``: mean of the shards' values weighted by their finite entries (a mean over
@@ -27,7 +27,9 @@ Combine = Literal["finite_mean", "pooled_std", "min", "max", "entry_mean"]
 - ``pooled_std``: the population std of the union, from each shard's std, its
   ``finite_mean`` metric (:attr:`MetricSpec.pooled_with`) and its finite entries;
 - ``min`` / ``max``: the smallest / largest of the shards' values;
-- ``entry_mean``: mean weighted by the shards' element counts (a fraction of all entries).
+- ``entry_mean``: mean weighted by the shards' element counts (a fraction of all entries);
+- ``root_mean_square``: ``sqrt`` of the mean of the shards' squared values weighted by their
+  finite entries (a root mean square over the finite entries; contract 1.5).
 """
 
 COMBINE_RULES: Final[tuple[Combine, ...]] = (
@@ -36,6 +38,7 @@ COMBINE_RULES: Final[tuple[Combine, ...]] = (
     "min",
     "max",
     "entry_mean",
+    "root_mean_square",
 )
 
 

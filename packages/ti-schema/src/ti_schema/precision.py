@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Final, Literal, get_args
 
 from ti_schema.metrics import DEFAULT_PROFILE, MetricProfile, MetricSpec
+from ti_schema.stability import STABILITY_SPECS
 
 PrecisionFormat = Literal["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "mxfp8_e4m3"]
 """A low-precision format, named as the torch dtype it casts to; ``mxfp8_e4m3`` is the OCP
@@ -133,10 +134,15 @@ FULL_PRECISION_PROFILE: Final[MetricProfile] = precision_profile(PRECISION_FORMA
 defines."""
 
 
+DECLARED_PROFILE: Final[MetricProfile] = FULL_PRECISION_PROFILE.extended(STABILITY_SPECS)
+"""Every metric the contract declares: the default profile, the precision metrics and the
+stability metrics (:mod:`ti_schema.stability`)."""
+
+
 def declared_metric(name: str) -> MetricSpec | None:
-    """The contract's declaration of the metric ``name`` (default or precision), or None for a
-    custom metric."""
-    return FULL_PRECISION_PROFILE.get(name) if name in FULL_PRECISION_PROFILE else None
+    """The contract's declaration of the metric ``name`` (default, precision or stability),
+    or None for a custom metric."""
+    return DECLARED_PROFILE.get(name) if name in DECLARED_PROFILE else None
 
 
 def metric_name_problem(name: str) -> str | None:
@@ -159,14 +165,15 @@ def metric_name_problem(name: str) -> str | None:
 
 
 def profile_of(names: Iterable[str], base: MetricProfile = DEFAULT_PROFILE) -> MetricProfile:
-    """``base`` and the declared precision metrics among ``names`` (in declaration order): the
-    declaration that applies to a run that recorded ``names``."""
+    """``base`` and the declared precision and stability metrics among ``names`` (in
+    declaration order): the declaration that applies to a run that recorded ``names``."""
     present = set(names)
-    extra = [m for m in FULL_PRECISION_PROFILE if m.name in present and m.name not in base]
+    extra = [m for m in DECLARED_PROFILE if m.name in present and m.name not in base]
     return base.extended(extra) if extra else base
 
 
 __all__ = [
+    "DECLARED_PROFILE",
     "FULL_PRECISION_PROFILE",
     "MIN_ABS_NONZERO",
     "MX_BLOCK",
