@@ -35,7 +35,12 @@ from ti_core.capture.parameter_gradients import (
     GRADIENT_REENTRANT_REASON,
 )
 from ti_core.capture.updates import NO_OPTIMIZER_REASON, REMOVED_REASON
-from ti_schema import PARAMETER_SIGNALS, SIGNALS, validate_histograms, validate_history
+from ti_schema import (
+    DEFAULT_SIGNALS,
+    PARAMETER_SIGNALS,
+    validate_histograms,
+    validate_history,
+)
 
 PARAMS = (
     ("embed", "weight"),
@@ -124,7 +129,7 @@ def train(
     return forwards
 
 
-ALL = tuple(SIGNALS)
+ALL = (*DEFAULT_SIGNALS, *PARAMETER_SIGNALS)  # optimizer_state: test_optimizer_state.py
 
 
 def observed_run(

@@ -201,6 +201,15 @@ def test_consolidating_a_killed_rank(runs: Path) -> None:
     assert frame["sample_id"].unique().sort().to_list() == [0, 1, 2, 3]
 
 
+def _tensorboard_tags(directory: Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((directory / "tensorboard").rglob("events.out.tfevents.*"))
+    accumulator = EventAccumulator(str(events[0].parent), size_guidance={"histograms": 0})
+    accumulator.Reload()
+    return list(accumulator.Tags()["histograms"])
+
+
 def test_parameter_signals_of_a_core_written_run(runs: Path) -> None:
     """ti-core's parameter rows, read without torch: one tensor per Linear parameter, its
     name as the tensor path; result.json lists them after the output signals, and the
@@ -240,8 +249,16 @@ def test_parameter_signals_of_a_core_written_run(runs: Path) -> None:
         ("parameter_gradient", "weight"),
         ("parameter_update", "bias"),
         ("parameter_update", "weight"),
+        # contract 1.5: Adam's state of each parameter, after the update
+        ("optimizer_state", "bias.exp_avg"),
+        ("optimizer_state", "bias.exp_avg_sq"),
+        ("optimizer_state", "bias.grad_sq_over_v"),
+        ("optimizer_state", "weight.exp_avg"),
+        ("optimizer_state", "weight.exp_avg_sq"),
+        ("optimizer_state", "weight.grad_sq_over_v"),
     ]
     assert encoder["tensors"][-1]["statistics"]["std"]["observations"] == 4
+    assert "head/call0/optimizer_state.weight.exp_avg" in set(_tensorboard_tags(runs / "finalized"))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = list((runs / "finalized" / "tensorboard").rglob("events.out.tfevents.*"))

@@ -225,13 +225,15 @@ def test_parameter_signals_are_values_of_1_2() -> None:
         "parameter",
         "parameter_gradient",
         "parameter_update",
+        "optimizer_state",
     )
-    assert ti_schema.DEFAULT_SIGNALS + ti_schema.PARAMETER_SIGNALS == ti_schema.SIGNALS
+    assert ti_schema.SIGNALS[:5] == ti_schema.DEFAULT_SIGNALS + ti_schema.PARAMETER_SIGNALS
     assert {s for s, minor in ti_schema.SIGNAL_ADDED_IN.items() if minor == 2} == set(
         ti_schema.PARAMETER_SIGNALS
     )
-    table = example_history_table(rows=400, signals=ti_schema.SIGNALS)
-    assert set(table.column("signal").to_pylist()) == set(ti_schema.SIGNALS)
+    assert ti_schema.SIGNAL_ADDED_IN["optimizer_state"] == 5
+    table = example_history_table(rows=400, signals=ti_schema.SIGNALS[:5])
+    assert set(table.column("signal").to_pylist()) == set(ti_schema.SIGNALS[:5])
     assert set(table.column("tensor_path").to_pylist()) == {"", "weight", "bias"}
     validate_history(table)
     validate_history(at_version(table, "1.6"))
@@ -243,6 +245,12 @@ def test_parameter_signals_are_values_of_1_2() -> None:
         assert "['parameter', 'parameter_gradient', 'parameter_update']" in message
         assert f"the data says version {old}" in message
         assert "schema_version 1.2 or later" in message
+    # optimizer_state is a value of 1.5: a 1.4 file holding it is refused
+    states = example_history_table(rows=120, signals=("output", "optimizer_state"))
+    assert "weight.exp_avg" in set(states.column("tensor_path").to_pylist())
+    validate_history(states)
+    with pytest.raises(SchemaMismatchError, match=r"\['optimizer_state'\]"):
+        validate_history(at_version(states, "1.4"))
     # the outputs-only rows of a 1.0 or 1.1 file stay valid
     validate_history(at_version(example_history_table(rows=400), "1.0"))
     validate_history(at_version(example_history_table(rows=400), "1.1"))

@@ -210,7 +210,8 @@ def inject_observer(
     ``signals`` chooses what is recorded (default ``("output", "output_gradient")``); the
     opt-in ``"parameter"``, ``"parameter_gradient"`` and ``"parameter_update"`` measure the
     parameters each selected module owns directly, their ``.grad`` after the sampled forward's
-    backward, and the change the next optimizer step makes to them (docs/capture.md).
+    backward, and the change the next optimizer step makes to them; ``"optimizer_state"`` an
+    Adam-type optimizer's moments of them after that step (docs/capture.md).
     ``update_budget_bytes`` bounds the copies that measuring updates needs (default 256 MiB);
     parameters beyond it get unavailable rows naming it.
 

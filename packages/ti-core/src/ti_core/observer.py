@@ -99,7 +99,7 @@ class Observer:
         self._self_ref: weakref.ref[GradientTarget] = weakref.ref(self)
         self.parameters: ParameterCapture | None = None
         """The parameter signals' catalog, update tracker and hooks (None when they are off)."""
-        if self.signals & set(PARAMETER_SIGNALS):
+        if self.signals & {*PARAMETER_SIGNALS, "optimizer_state"}:
             target: weakref.ref[SignalTarget] = weakref.ref(self)
             self.parameters = ParameterCapture(
                 modules, tuple(self.signals), target, update_budget_bytes

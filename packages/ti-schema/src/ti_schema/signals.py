@@ -14,7 +14,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal, cast, get_args
 
-Signal = Literal["output", "output_gradient", "parameter", "parameter_gradient", "parameter_update"]
+Signal = Literal[
+    "output",
+    "output_gradient",
+    "parameter",
+    "parameter_gradient",
+    "parameter_update",
+    "optimizer_state",
+]
 """A value of the ``signal`` column (the names of :data:`SIGNAL_DECLARATION`, in its order)."""
 
 
@@ -138,11 +145,19 @@ SIGNAL_DECLARATION: Final[SignalDeclaration] = SignalDeclaration(
             added_in_minor=2,
             parameter=True,
         ),
+        SignalSpec(
+            "optimizer_state",
+            "an Adam-type optimizer's state of a parameter the module owns directly, after the "
+            "first optimizer step that follows the sampled forward: exp_avg, exp_avg_sq, and the "
+            "squared gradient over the bias-corrected second moment (tensor_path "
+            "weight.exp_avg, weight.exp_avg_sq, weight.grad_sq_over_v)",
+            added_in_minor=5,
+        ),
     )
 )
 """Every signal of the contract, in the order readers list them: a module's output, the
-gradient with respect to it, and (contract 1.2) the module's own parameters, their gradients
-and their updates (docs/data-contract.md)."""
+gradient with respect to it, (contract 1.2) the module's own parameters, their gradients and
+their updates, and (1.5) the optimizer's state of them (docs/data-contract.md)."""
 
 if get_args(Signal) != SIGNAL_DECLARATION.names:  # pragma: no cover - a declaration mistake
     raise AssertionError(

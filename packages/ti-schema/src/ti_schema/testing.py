@@ -123,7 +123,8 @@ def example_run_info(
 
 def _tensors(signals: Sequence[Signal] = DEFAULT_SIGNALS) -> Any:
     """Endless (sample, layer, module_type, signal, tensor_path) in the order a producer would
-    emit them; the parameter signals cover the Linear layers' ``weight`` and ``bias``."""
+    emit them; the parameter signals cover the Linear layers' ``weight`` and ``bias``, and
+    ``optimizer_state`` their three state tensors (``weight.exp_avg``, ...)."""
     unknown = [s for s in signals if s not in SIGNALS]
     if unknown or isinstance(signals, str) or not signals:
         raise ValueError(
@@ -133,7 +134,12 @@ def _tensors(signals: Sequence[Signal] = DEFAULT_SIGNALS) -> Any:
     while True:
         for signal in signals:
             for layer, module_type in _LAYERS:
-                if signal not in PARAMETER_SIGNALS:
+                if signal == "optimizer_state":
+                    if module_type == "Linear":
+                        for name in ("weight", "bias"):
+                            for part in ("exp_avg", "exp_avg_sq", "grad_sq_over_v"):
+                                yield sample, layer, module_type, signal, f"{name}.{part}"
+                elif signal not in PARAMETER_SIGNALS:
                     yield sample, layer, module_type, signal, ""
                 elif module_type == "Linear":
                     for path in ("weight", "bias"):

@@ -122,10 +122,18 @@ class ParameterCapture:
         self.values = "parameter" in signals
         self.gradients = "parameter_gradient" in signals
         self.updates = "parameter_update" in signals
-        if not (self.values or self.gradients or self.updates):
-            raise ValueError(f"ParameterCapture needs one of {PARAMETER_SIGNALS}, got {signals}")
+        self.states = "optimizer_state" in signals
+        if not (self.values or self.gradients or self.updates or self.states):
+            raise ValueError(
+                f"ParameterCapture needs one of {(*PARAMETER_SIGNALS, 'optimizer_state')}, got "
+                f"{signals}"
+            )
         self._target = target
-        self.tracker = UpdateTracker(target, update_budget_bytes) if self.updates else None
+        self.tracker = (
+            UpdateTracker(target, update_budget_bytes, updates=self.updates, states=self.states)
+            if self.updates or self.states
+            else None
+        )
         self._watches: weakref.WeakSet[GradientWatch] = weakref.WeakSet()
 
     @property

@@ -1,13 +1,15 @@
 """``parameter_update``: what the first optimizer step after a sampled forward changes in each
-of its parameters (docs/capture.md, "Parameters, their gradients and their updates").
+of its parameters; ``optimizer_state``: the Adam-type state that step leaves for each of them
+(docs/capture.md, "Parameters, their gradients and their updates", "Optimizer state").
 
 Ownership: one :class:`UpdateTracker` per observer (with the parameter signals on). Each sampled
 forward opens an :class:`UpdateWindow` and adds its parameters to it. torch's global optimizer
 step pre/post hooks (:class:`OptimizerStepHook`) are installed by the gate, through
 :class:`OptimizerHookHost`, when a window opens; they copy the values a step is about to change
 (within ``update_budget_bytes`` at any time) and measure value after minus value before. A
-window closes once every parameter in it was updated, else at the first root forward after an
-optimizer step (its other parameters get unavailable rows), or at removal (:meth:`close`). When
+window closes once every parameter in it was updated (and its state read), else at the first
+root forward after an optimizer step (its other parameters get unavailable rows), or at removal
+(:meth:`close`). The state is read in the post-step hook, from ``optimizer.state``: no copy. When
 no window is left the gate removes the hooks, at that root forward: never from inside a hook,
 while torch iterates them.
 """
@@ -31,7 +33,9 @@ from ti_core.capture.hooks import HookObject
 from ti_core.capture.measured import add_entry, measured_entry
 from ti_core.capture.sharding import local_tensor
 from ti_core.entries import Entry, Gaps
+from ti_core.reduction.support import dtype_name
 from ti_core.stages import stage_of
+from ti_schema import Signal
 
 DEFAULT_UPDATE_BUDGET_BYTES: Final[int] = 256 * 2**20
 """Default of ``inject_observer(update_budget_bytes=)``: bytes of parameter values copied before
@@ -45,6 +49,82 @@ REMOVED_REASON: Final[str] = (
     "parameter update not measured: the observer was removed before an optimizer step "
     "updated this parameter"
 )
+STATE_PARTS: Final[tuple[str, ...]] = ("exp_avg", "exp_avg_sq", "grad_sq_over_v")
+"""The ``optimizer_state`` tensors of a parameter, each a ``tensor_path`` suffix."""
+STATE_NO_OPTIMIZER_REASON: Final[str] = (
+    "optimizer state not measured: no optimizer that stepped after the sampled forward holds "
+    "this parameter"
+)
+STATE_REMOVED_REASON: Final[str] = (
+    "optimizer state not measured: the observer was removed before an optimizer step "
+    "updated this parameter"
+)
+NO_MOMENTS_REASON: Final[str] = (
+    "optimizer state not measured: {optimizer} holds no exp_avg and exp_avg_sq for this "
+    "parameter (Adam, AdamW and other Adam-type optimizers do)"
+)
+NO_GRADIENT_REASON: Final[str] = (
+    "optimizer state not measured: the parameter had no gradient at the step (or its optimizer "
+    "group names no betas and its state no step)"
+)
+
+
+def state_path(path: str, part: str) -> str:
+    """The ``tensor_path`` of a parameter's optimizer-state tensor ``part``: ``weight.exp_avg``;
+    a DTensor's placements stay last (``weight.exp_avg@S(0)``)."""
+    at = path.find("@")
+    return f"{path}.{part}" if at < 0 else f"{path[:at]}.{part}{path[at:]}"
+
+
+def _state_entry(entry: Entry, part: str, tensor: torch.Tensor | None, stamp: int) -> Entry:
+    shape, dtype = (
+        (entry.shape, entry.dtype)
+        if tensor is None
+        else (
+            tuple(tensor.shape),
+            dtype_name(tensor.dtype),
+        )
+    )
+    return Entry(
+        entry.layer,
+        entry.call_index,
+        state_path(entry.path, part),
+        entry.train,
+        entry.grad_enabled,
+        shape,
+        dtype,
+        stamp,
+    )
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: Entry, stamp: int
+) -> tuple[list[tuple[Entry, torch.Tensor]], list[tuple[Entry, str]]]:
+    """The ``optimizer_state`` measurements of ``param`` after ``optimizer``'s step (this rank's
+    part of each), and the rows it cannot measure with why.
+
+    ``grad_sq_over_v`` is ``g**2 / (v / (1 - beta2**t))`` in float64, with ``g`` the gradient
+    the step used, ``v`` its ``exp_avg_sq`` and ``t`` its ``step``: far below 1 where the
+    squared gradient fell far below the second moment (Bai et al. 2025). An entry whose
+    ``v`` is zero (its gradient was zero at every step) is NaN (counted, not averaged)."""
+    state = optimizer.state.get(param)
+    if not state or "exp_avg" not in state or "exp_avg_sq" not in state:
+        reason = NO_MOMENTS_REASON.format(optimizer=type(optimizer).__name__)
+        return [], [(_state_entry(entry, part, None, stamp), reason) for part in STATE_PARTS]
+    m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
+    found = [
+        (_state_entry(entry, "exp_avg", m, stamp), m),
+        (_state_entry(entry, "exp_avg_sq", v, stamp), v),
+    ]
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
+    betas, step, grad = group.get("betas"), state.get("step"), param.grad
+    if grad is None or betas is None or step is None:
+        return found, [(_state_entry(entry, "grad_sq_over_v", None, stamp), NO_GRADIENT_REASON)]
+    g = local_tensor(grad).to(torch.float64)
+    correction = 1.0 - float(betas[1]) ** float(step)
+    ratio = g * g / (v.to(torch.float64) / correction)
+    found.append((_state_entry(entry, "grad_sq_over_v", ratio, stamp), ratio))
+    return found, []
 
 
 _CAPTURE: Final = stage_of("parameter_update", "capture")
@@ -118,11 +198,15 @@ class OptimizerHookHost(Protocol):
 
 @dataclass(eq=False)
 class UpdateWindow:
-    """``parameter_update`` of one sample: its parameters waiting for an optimizer step."""
+    """``parameter_update`` and ``optimizer_state`` of one sample: its parameters waiting for an
+    optimizer step."""
 
     sample_id: int
     forward_index: int
     pending: dict[int, tuple[Entry, weakref.ref[torch.Tensor]]] = field(default_factory=dict)
+    states: dict[int, tuple[Entry, weakref.ref[torch.Tensor]]] = field(default_factory=dict)
+    """Parameters whose optimizer state is still to read."""
+    state_gaps: list[tuple[Entry, str]] = field(default_factory=list)
     stepped: bool = False
     """An optimizer stepped since the window opened."""
     in_step: weakref.ref[torch.optim.Optimizer] | None = None
@@ -169,9 +253,18 @@ class UpdateTracker:
     rows naming the budget.
     """
 
-    def __init__(self, target: weakref.ref[SignalTarget], budget: int) -> None:
+    def __init__(
+        self,
+        target: weakref.ref[SignalTarget],
+        budget: int,
+        *,
+        updates: bool = True,
+        states: bool = False,
+    ) -> None:
         self._target = target
         self._budget = budget
+        self._updates = updates
+        self._states = states
         self._host: weakref.ref[OptimizerHookHost] | None = None
         self._lock = threading.RLock()
         self._windows: list[UpdateWindow] = []
@@ -208,6 +301,10 @@ class UpdateTracker:
     def add(self, window: UpdateWindow, key: int, entry: Entry, param: torch.Tensor) -> None:
         """Wait for ``param``'s update in ``window``; inside a step's closure, copy it now."""
         with self._lock:
+            if self._states:
+                window.states[key] = (entry, weakref.ref(param))
+            if not self._updates:
+                return
             window.pending[key] = (entry, weakref.ref(param))
             optimizer = None if window.in_step is None else window.in_step()
             if optimizer is not None and key in window.in_step_ids:
@@ -244,7 +341,7 @@ class UpdateTracker:
             return
         try:
             with self._lock:
-                if not self._windows:
+                if not self._windows or not self._updates:
                     return
                 ids = optimizer_parameter_ids(optimizer)
                 for window in self._windows:
@@ -259,9 +356,11 @@ class UpdateTracker:
         target = self._target()
         if target is None:
             return
-        ready: list[tuple[UpdateWindow, TensorBatch | None, list[tuple[Entry, str]]]] = []
+        ready: list[_Ready] = []
         try:
             with self._lock:
+                if self._states:
+                    ready += self._read_states(target, optimizer)
                 copies = self._copies.pop(id(optimizer), {})
                 batches: dict[int, TensorBatch] = {}
                 stamp = now_us()
@@ -285,21 +384,43 @@ class UpdateTracker:
                     window.stepped = True
                     batch = batches.get(id(window))
                     if batch is not None or window.gaps:
-                        ready.append((window, batch, window.gaps))
+                        ready.append(("parameter_update", window, batch, window.gaps))
                         window.gaps = []
-                self._windows = [w for w in self._windows if w.pending]
+                self._windows = [w for w in self._windows if w.pending or w.states]
                 self.waiting = True  # hooks are removed at the next root forward, not in here
         except Exception as error:
             target.errors.handle(_CAPTURE, error)
         self._emit(target, ready)
 
-    def _emit(
-        self,
-        target: SignalTarget,
-        ready: Sequence[tuple[UpdateWindow, TensorBatch | None, Sequence[tuple[Entry, str]]]],
-    ) -> None:
-        for window, batch, gaps in ready:
-            target.emit(_ended(window, batch if batch is not None else target.new_batch(), gaps))
+    def _read_states(self, target: SignalTarget, optimizer: torch.optim.Optimizer) -> list[_Ready]:
+        """The ``optimizer_state`` of every waiting parameter ``optimizer`` holds, read after
+        its step: one signal per window."""
+        ready: list[_Ready] = []
+        ids = optimizer_parameter_ids(optimizer)
+        stamp = now_us()
+        for window in self._windows:
+            batch: TensorBatch | None = None
+            gaps: list[tuple[Entry, str]] = []
+            for key, (entry, ref) in list(window.states.items()):
+                param = ref()
+                if param is None or key not in ids:
+                    continue
+                del window.states[key]
+                found, missing = optimizer_state(optimizer, param, entry, stamp)
+                gaps += missing
+                for part_entry, tensor in found:
+                    if batch is None:
+                        batch = target.new_batch()
+                    add_entry(batch, part_entry, tensor)
+            if batch is not None or gaps:
+                ready.append(("optimizer_state", window, batch, gaps))
+        return ready
+
+    def _emit(self, target: SignalTarget, ready: Sequence[_Ready]) -> None:
+        for signal, window, batch, gaps in ready:
+            if batch is None:
+                batch = target.new_batch()
+            target.emit(_ended(signal, window, batch, gaps))
 
     # -- closing windows
 
@@ -307,18 +428,13 @@ class UpdateTracker:
         """A root forward starts: a window whose step came and went gives up on the parameters
         no optimizer updated; when no window is left, the optimizer hooks go."""
         target = self._target()
-        ready: list[tuple[UpdateWindow, TensorBatch | None, Sequence[tuple[Entry, str]]]] = []
+        ready: list[_Ready] = []
         with self._lock:
             self.waiting = False
             keep = []
             for window in self._windows:
                 if window.stepped:
-                    gaps = [
-                        *window.gaps,
-                        *((e, NO_OPTIMIZER_REASON) for e, _ in window.pending.values()),
-                    ]
-                    window.pending.clear()
-                    ready.append((window, None, gaps))
+                    ready += _gave_up(window, NO_OPTIMIZER_REASON, STATE_NO_OPTIMIZER_REASON)
                 else:
                     keep.append(window)
             self._windows = keep
@@ -342,10 +458,14 @@ class UpdateTracker:
             self._closed = True
             left: list[EndedSignal] = []
             for window in self._windows:
-                reason = NO_OPTIMIZER_REASON if window.stepped else REMOVED_REASON
-                gaps = [*window.gaps, *((e, reason) for e, _ in window.pending.values())]
-                if gaps and target is not None:
-                    left.append(_ended(window, target.new_batch(), gaps))
+                reasons = (
+                    (NO_OPTIMIZER_REASON, STATE_NO_OPTIMIZER_REASON)
+                    if window.stepped
+                    else (REMOVED_REASON, STATE_REMOVED_REASON)
+                )
+                for signal, _, _, gaps in _gave_up(window, *reasons):
+                    if target is not None:
+                        left.append(_ended(signal, window, target.new_batch(), gaps))
             self._windows = []
             self._copies.clear()
             self._held = 0
@@ -354,18 +474,48 @@ class UpdateTracker:
         return left
 
 
+_Ready = tuple[Signal, UpdateWindow, TensorBatch | None, Sequence[tuple[Entry, str]]]
+"""A signal of a window ready to emit: its name, the window, its measurements, its gaps."""
+
+
+def _gave_up(window: UpdateWindow, update_reason: str, state_reason: str) -> list[_Ready]:
+    """The unavailable rows of a window closing with parameters still waiting (each signal
+    that has any), its waits cleared."""
+    ready: list[_Ready] = []
+    gaps = [*window.gaps, *((e, update_reason) for e, _ in window.pending.values())]
+    if gaps:
+        ready.append(("parameter_update", window, None, gaps))
+    states = [
+        *window.state_gaps,
+        *(
+            (_state_entry(e, part, None, e.timestamp_us), state_reason)
+            for e, _ in window.states.values()
+            for part in STATE_PARTS
+        ),
+    ]
+    if states:
+        ready.append(("optimizer_state", window, None, states))
+    window.pending.clear()
+    window.states.clear()
+    window.gaps, window.state_gaps = [], []
+    return ready
+
+
 def _ended(
-    window: UpdateWindow, batch: TensorBatch, gaps: Sequence[tuple[Entry, str]]
+    signal: Signal, window: UpdateWindow, batch: TensorBatch, gaps: Sequence[tuple[Entry, str]]
 ) -> EndedSignal:
-    return EndedSignal(
-        "parameter_update", window.sample_id, window.forward_index, batch, Gaps.of(gaps)
-    )
+    return EndedSignal(signal, window.sample_id, window.forward_index, batch, Gaps.of(gaps))
 
 
 __all__ = [
     "DEFAULT_UPDATE_BUDGET_BYTES",
+    "NO_GRADIENT_REASON",
+    "NO_MOMENTS_REASON",
     "NO_OPTIMIZER_REASON",
     "REMOVED_REASON",
+    "STATE_NO_OPTIMIZER_REASON",
+    "STATE_PARTS",
+    "STATE_REMOVED_REASON",
     "OptimizerHook",
     "OptimizerHookHost",
     "OptimizerStepHook",
@@ -374,5 +524,7 @@ __all__ = [
     "budget_reason",
     "difference",
     "optimizer_parameter_ids",
+    "optimizer_state",
+    "state_path",
     "stepping_optimizer",
 ]
