@@ -392,6 +392,20 @@ def test_tensor_parallel_benchmark_times_every_variant(tmp_path: Path) -> None:
         assert float(line.split(":")[1].split("x")[0]) > 0
 
 
+def test_stability_benchmark_times_every_variant(tmp_path: Path) -> None:
+    """benchmarks/stability.py runs end to end on one round of the sequence workload: a ratio
+    per variant and the added costs (no timing is asserted)."""
+    lines = _benchmark(
+        tmp_path, "stability.py", "--workloads", "sequence", "--rounds", "1", "--steps", "1"
+    )
+    assert lines[0].startswith("sequence: bare step with AdamW ")
+    labels = [line.split("  ")[1].strip() for line in lines[1:5]]
+    assert labels == ["default", "+stability", "+optimizer_state", "unsampled +both"]
+    for line in lines[1:5]:
+        assert float(line.split()[-3].rstrip("x")) > 0
+    assert lines[5].startswith("  added to a sampled step: stability ")
+
+
 def test_reading_benchmark_times_every_reader_beside_duckdb(tmp_path: Path) -> None:
     """benchmarks/reading.py on a tiny run of one rank and of three ranks: a row per reader,
     each with a time and a peak RSS, DuckDB's beside it where it has one (no timing asserted),
