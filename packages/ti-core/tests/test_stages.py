@@ -16,6 +16,7 @@ def test_every_signal_has_its_capture_and_emission_stage() -> None:
         "parameter_gradient": ("parameter gradient capture", "parameter gradient emission"),
         "parameter_update": ("parameter update capture", "parameter update emission"),
         "optimizer_state": ("optimizer state capture", "optimizer state emission"),
+        "attention": ("attention capture", "attention emission"),
     }
 
 

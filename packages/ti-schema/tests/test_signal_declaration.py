@@ -55,8 +55,8 @@ def test_the_named_constants_are_derived_from_the_declaration() -> None:
     assert {s.name: s.added_in_minor for s in SIGNAL_DECLARATION} == SIGNAL_ADDED_IN
     assert {s.name: s.definition for s in SIGNAL_DECLARATION} == SIGNAL_DEFINITIONS
     assert _doc(history_schema()) == (
-        "'output', 'output_gradient', 'parameter', 'parameter_gradient', 'parameter_update' or "
-        "'optimizer_state'"
+        "'output', 'output_gradient', 'parameter', 'parameter_gradient', 'parameter_update', "
+        "'optimizer_state' or 'attention'"
     )
 
 

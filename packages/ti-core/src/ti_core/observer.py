@@ -71,6 +71,10 @@ class Observer:
     ) -> None:
         self.run = run
         self.signals = frozenset(signals)
+        self._attention_layers: dict[int, int] | None = (
+            {id(m): i for i, m in enumerate(modules)} if "attention" in self.signals else None
+        )
+        """id of each selected module -> its layer, when the attention signal is on."""
         """The signals this observer records (``inject_observer(signals=)``)."""
         self._errors = errors
         self._leaf_hooks = LeafHooks()
@@ -245,6 +249,7 @@ class Observer:
             self._self_ref,
             signals=self.signals,
             parameters=parameters,
+            attention=self._attention_layers,
         )
 
     # ------------------------------------------------------------------ SignalTarget (capture)

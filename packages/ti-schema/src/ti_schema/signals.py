@@ -21,6 +21,7 @@ Signal = Literal[
     "parameter_gradient",
     "parameter_update",
     "optimizer_state",
+    "attention",
 ]
 """A value of the ``signal`` column (the names of :data:`SIGNAL_DECLARATION`, in its order)."""
 
@@ -153,11 +154,19 @@ SIGNAL_DECLARATION: Final[SignalDeclaration] = SignalDeclaration(
             "weight.exp_avg, weight.exp_avg_sq, weight.grad_sq_over_v)",
             added_in_minor=5,
         ),
+        SignalSpec(
+            "attention",
+            "the attention logits (q k^T times the scale, masked entries excluded) of each "
+            "scaled_dot_product_attention call made inside a selected module's forward "
+            "(tensor_path sdpa[k]: its k-th call in that module call)",
+            added_in_minor=5,
+        ),
     )
 )
 """Every signal of the contract, in the order readers list them: a module's output, the
 gradient with respect to it, (contract 1.2) the module's own parameters, their gradients and
-their updates, and (1.5) the optimizer's state of them (docs/data-contract.md)."""
+their updates, and (1.5) the optimizer's state of them and the attention logits
+(docs/data-contract.md)."""
 
 if get_args(Signal) != SIGNAL_DECLARATION.names:  # pragma: no cover - a declaration mistake
     raise AssertionError(

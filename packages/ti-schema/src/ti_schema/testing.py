@@ -124,7 +124,8 @@ def example_run_info(
 def _tensors(signals: Sequence[Signal] = DEFAULT_SIGNALS) -> Any:
     """Endless (sample, layer, module_type, signal, tensor_path) in the order a producer would
     emit them; the parameter signals cover the Linear layers' ``weight`` and ``bias``, and
-    ``optimizer_state`` their three state tensors (``weight.exp_avg``, ...)."""
+    ``optimizer_state`` their three state tensors (``weight.exp_avg``, ...), ``attention`` one
+    call per layer (``sdpa[0]``)."""
     unknown = [s for s in signals if s not in SIGNALS]
     if unknown or isinstance(signals, str) or not signals:
         raise ValueError(
@@ -139,6 +140,8 @@ def _tensors(signals: Sequence[Signal] = DEFAULT_SIGNALS) -> Any:
                         for name in ("weight", "bias"):
                             for part in ("exp_avg", "exp_avg_sq", "grad_sq_over_v"):
                                 yield sample, layer, module_type, signal, f"{name}.{part}"
+                elif signal == "attention":
+                    yield sample, layer, module_type, signal, "sdpa[0]"
                 elif signal not in PARAMETER_SIGNALS:
                     yield sample, layer, module_type, signal, ""
                 elif module_type == "Linear":

@@ -16,6 +16,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from ti_core.capture.attention import AttentionCalls
 from ti_core.capture.batch import TensorBatch
 from ti_core.capture.context import in_reentrant_checkpoint
 from ti_core.capture.ended import EndedSignal
@@ -39,6 +40,7 @@ REENTRANT_REASON: Final[str] = (
 )
 
 _EMISSION: Final = stage_of("output", "emission")
+_ATTENTION: Final = stage_of("attention", "capture")
 
 
 _time_ns = time.time_ns
@@ -59,6 +61,7 @@ class Sample:
     """
 
     __slots__ = (
+        "attention",
         "calls",
         "forward",
         "forward_index",
@@ -82,6 +85,7 @@ class Sample:
         *,
         signals: Collection[str] = DEFAULT_SIGNALS,
         parameters: ParameterSample | None = None,
+        attention: dict[int, int] | None = None,
     ) -> None:
         self.sample_id = sample_id
         self.forward_index = forward_index
@@ -102,6 +106,20 @@ class Sample:
         take their identity from."""
         self.parameters = parameters
         """The parameter signals of this forward (None when they are off)."""
+        self.attention: AttentionCalls | None = None
+        """The attention calls of this forward, intercepted while it runs (``attention``
+        given the selected modules by id: the signal is on)."""
+        if attention is not None:
+            target_now = target()
+            if target_now is not None:
+                errors = target_now.errors
+                self.attention = AttentionCalls(
+                    attention,
+                    self.calls,
+                    target_now.new_batch(),
+                    lambda error: errors.handle(_ATTENTION, error),
+                )
+                self.attention.start()
 
     def record(self, layer: int, module: nn.Module, output: Any) -> None:
         """One call of the selected module ``layer`` returned ``output``: snapshot each tensor
@@ -156,10 +174,30 @@ class Sample:
         """The root forward returned (or raised): no more gradient hooks will be registered;
         hand its ``output`` signal (with the outputs whose gradient cannot be captured) and its
         ``parameter`` signal to the target."""
+        attention = self.attention
+        if attention is not None:
+            self.attention = None
+            try:
+                attention.stop()
+            except Exception as error:  # a mode the forward entered and left open
+                attention.gaps = Gaps()
+                target = self.target()
+                if target is not None:
+                    target.errors.handle(_ATTENTION, error)
         target = self.target()
         if target is None:  # pragma: no cover - the observer holds the gate that holds this
             return
         try:
+            if attention is not None and (len(attention.batch) or attention.gaps):
+                target.emit(
+                    EndedSignal(
+                        "attention",
+                        self.sample_id,
+                        self.forward_index,
+                        attention.batch,
+                        attention.gaps,
+                    )
+                )
             if self.gradients is not None:
                 self.gradients.forward_done()
             if self.outputs or self.gaps:

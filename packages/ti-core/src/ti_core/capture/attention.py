@@ -1,0 +1,210 @@
+"""``attention``: the attention logits of every ``scaled_dot_product_attention`` call made
+inside a selected module's forward, on sampled root forwards (docs/capture.md, "Attention
+logits").
+
+Ownership: an :class:`AttentionCalls` per sampled root forward with the signal on, made with
+its :class:`~ti_core.capture.sample.Sample`; its :class:`AttentionMode` (a
+``TorchFunctionMode``) is entered on the sample's thread when the sample starts and exited when
+it ends, so an unsampled forward runs with nothing intercepted. A call is attributed to the
+innermost selected module whose frame is running (the Python stack, read only at an attention
+call); a call inside no selected module's forward is not recorded.
+
+Each call's logits ``q @ k^T * scale`` are computed again, in float64, from the call's own
+``query`` and ``key`` (``enable_gqa``: the key's heads repeated), the causal or given mask
+applied (a boolean mask keeps its ``True`` entries, a float mask is added and its ``-inf``
+entries are left out), and the entries that take part are measured as one tensor by the
+run's reduction, exactly. A call whose logits hold more than :data:`MAX_LOGITS` entries is not
+computed (its rows say so): memory never holds more than that many logits at once.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, TensorBatch
+from ti_core.capture.context import now_us
+from ti_core.entries import Entry, Gaps
+from ti_core.reduction.support import dtype_name
+
+MAX_LOGITS: Final[int] = SNAPSHOT_BUDGET_BYTES // 8
+"""Float64 logits computed for one call at most (the snapshot budget's bytes)."""
+TOO_MANY_REASON: Final[str] = (
+    "attention logits not measured: this call's logits hold {n} entries, over the {limit} "
+    "computed at once (bound memory); sample a shorter sequence or a smaller batch"
+)
+_SDPA: Final = F.scaled_dot_product_attention
+_ARGUMENTS: Final[tuple[str, ...]] = (
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+)
+
+
+def attention_logits(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 logits of an attention call (``q @ k^T * scale``, a float mask added) and
+    the boolean mask of the entries that take part, broadcast to the logits' shape."""
+    q = query.detach().to(torch.float64)
+    k = key.detach().to(torch.float64)
+    if enable_gqa and q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    logits = torch.matmul(q, k.transpose(-2, -1)) * factor
+    length, source = logits.shape[-2], logits.shape[-1]
+    keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+    if is_causal:
+        keep = keep & torch.ones(length, source, dtype=torch.bool, device=logits.device).tril()
+    if attn_mask is not None:
+        mask = attn_mask.detach()
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            logits = logits + mask.to(torch.float64)
+            keep = keep & ~torch.isneginf(mask)
+    return logits, keep.expand(logits.shape)
+
+
+def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = dict(zip(_ARGUMENTS, args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
+class AttentionCalls:
+    """The ``attention`` signal of one sampled root forward."""
+
+    def __init__(
+        self,
+        layers: dict[int, int],
+        calls: dict[int, int],
+        batch: TensorBatch,
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self._layers = layers
+        """id of a selected module -> its layer index."""
+        self._calls = calls
+        """The sample's completed calls per layer (the running call's index)."""
+        self.batch = batch
+        self.gaps = Gaps()
+        self._seen: dict[tuple[int, int], int] = {}
+        self._on_error = on_error
+        self.mode = AttentionMode(self)
+
+    def start(self) -> None:
+        """Intercept attention calls on this thread (the sampled forward starts)."""
+        self.mode.__enter__()  # type: ignore[no-untyped-call]
+
+    def stop(self) -> None:
+        """Stop intercepting (the sampled forward ended, on the thread that started it)."""
+        self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def _layer(self) -> tuple[int, nn.Module] | None:
+        """The innermost selected module whose frame is running, and its layer."""
+        frame = sys._getframe(1)
+        layers = self._layers
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if owner is not None and id(owner) in layers and isinstance(owner, nn.Module):
+                return layers[id(owner)], owner
+            frame = frame.f_back  # type: ignore[assignment]
+        return None
+
+    def record(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An attention call inside the sampled forward: measure its logits."""
+        try:
+            found = self._layer()
+            if found is None:
+                return
+            layer, module = found
+            call = self._calls.get(layer, 0)
+            index = self._seen.get((layer, call), 0)
+            self._seen[(layer, call)] = index + 1
+            bound = _bind(args, kwargs)
+            query, key = bound["query"], bound["key"]
+            stamp = now_us()
+            path = f"sdpa[{index}]"
+            heads = list(key.shape[:-2])
+            if bound.get("enable_gqa") and heads and query.dim() >= 3:
+                heads[-1] = query.shape[-3]  # the key's heads, repeated to the query's
+            shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
+                query.shape[:-2], torch.Size(heads)
+            )
+            count = math.prod(shape) * query.shape[-2] * key.shape[-2]
+            grad_enabled = torch.is_grad_enabled()
+            if count > MAX_LOGITS:
+                entry = Entry(
+                    layer,
+                    call,
+                    path,
+                    bool(module.training),
+                    grad_enabled,
+                    (count,),
+                    dtype_name(torch.float64),
+                    stamp,
+                )
+                self.gaps.add(entry, TOO_MANY_REASON.format(n=count, limit=MAX_LOGITS))
+                return
+            logits, keep = attention_logits(
+                query,
+                key,
+                bound.get("attn_mask"),
+                bool(bound.get("is_causal", False)),
+                bound.get("scale"),
+                bool(bound.get("enable_gqa", False)),
+            )
+            taking_part = logits.masked_select(keep)
+            self.batch.add(
+                taking_part, layer, call, path, bool(module.training), grad_enabled, stamp
+            )
+        except Exception as error:
+            self._on_error(error)
+
+
+class AttentionMode(TorchFunctionMode):
+    """Hands every ``scaled_dot_product_attention`` call to :class:`AttentionCalls`, then runs
+    it unchanged (torch disables the mode while its handler runs: the logits computed there
+    are not intercepted)."""
+
+    def __init__(self, calls: AttentionCalls) -> None:
+        super().__init__()
+        self._calls = calls
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            self._calls.record(args, kwargs)
+        return func(*args, **kwargs)
+
+
+__all__ = [
+    "MAX_LOGITS",
+    "TOO_MANY_REASON",
+    "AttentionCalls",
+    "AttentionMode",
+    "attention_logits",
+]
