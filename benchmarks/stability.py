@@ -9,7 +9,9 @@ bare one's. Variants (every forward sampled, ``AlwaysSampler``, in memory):
 - ``+stability``: the same with ``metrics=(*DEFAULT_METRICS, *STABILITY_METRICS)``;
 - ``+optimizer_state``: the default profile, signals plus ``optimizer_state``;
 - ``unsampled +both``: both added, no forward sampled after the first: what a run pays
-  between samples for them (nothing beyond the observer's own cost).
+  between samples for them (nothing beyond the observer's own cost);
+- ``+attention`` (GPT-2): the ``attention`` signal, its attention modules selected beside the
+  leaves (so the default rows of those modules too).
 
     python benchmarks/stability.py --workloads gpt2,sequence --rounds 5 --steps 2
 """
@@ -48,6 +50,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _with_attention(name: str, module: torch.nn.Module) -> bool:
+    """The leaf modules and GPT-2's attention modules (which call the attention function)."""
+    return type(module).__name__ == "GPT2Attention" or not any(True for _ in module.children())
+
+
+ATTENTION: dict[str, Any] = {
+    "signals": (*DEFAULT_SIGNALS, "attention"),
+    "selector": _with_attention,
+}
+"""``+attention`` (GPT-2 only): the attention logits of its 12 attention modules, selected
+beside the leaves."""
+
+
 def _trained(name: str, options: dict[str, Any] | None) -> Step:
     built = workloads.build(name)
     optimizer = torch.optim.AdamW(built.model.parameters(), lr=1e-4)
@@ -69,6 +84,8 @@ def measure(name: str, rounds: int, steps: int) -> dict[str, float]:
     torch.set_num_threads(2)
     steps_of = {"bare": _trained(name, None)}
     steps_of.update({label: _trained(name, options) for label, options in VARIANTS.items()})
+    if name == "gpt2":
+        steps_of["+attention"] = _trained(name, ATTENTION)
     for step in steps_of.values():
         step()
         step()
@@ -95,11 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         medians = measure(name, args.rounds, args.steps)
         bare = medians["bare"]
         print(f"{name}: bare step with AdamW {bare * 1e3:.2f} ms")
-        for label in VARIANTS:
+        for label in [label for label in medians if label != "bare"]:
             print(f"  {label:<17} {medians[label] / bare:6.3f}x  {medians[label] * 1e3:9.2f} ms")
         extra = (medians["+stability"] - medians["default"]) / bare
         state = (medians["+optimizer_state"] - medians["default"]) / bare
-        print(f"  added to a sampled step: stability {extra:+.3f}x, optimizer_state {state:+.3f}x")
+        line = f"  added to a sampled step: stability {extra:+.3f}x, optimizer_state {state:+.3f}x"
+        if "+attention" in medians:
+            line += f", attention {(medians['+attention'] - medians['default']) / bare:+.3f}x"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,6 @@ observer's argument checks (the stages themselves: tests/test_dist_parallelism.p
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -20,10 +18,17 @@ from ti_core import (
 )
 
 
-def test_settings_are_recorded_beside_ti_cores(tmp_path: Path) -> None:
+def test_settings_are_recorded_beside_ti_cores() -> None:
+    """The sinks get them with the run (ti-io writes them to run.json and index.md: the
+    pipeline tests read them back, tests/test_dist_parallelism.py)."""
     model = nn.Sequential(nn.Linear(3, 2))
+    sink = MemorySink()
     inject_observer(
-        model, output_dir=tmp_path, sampler=AlwaysSampler(), settings={"experiment": "lr-3e-4"}
+        model,
+        output_dir=None,
+        sink=sink,
+        sampler=AlwaysSampler(),
+        settings={"experiment": "lr-3e-4"},
     )
     observer = observer_of(model)
     assert observer is not None
@@ -31,7 +36,8 @@ def test_settings_are_recorded_beside_ti_cores(tmp_path: Path) -> None:
     assert observer.run.settings["signals"] == "output,output_gradient"
     model(torch.randn(4, 3)).sum().backward()
     remove_observer(model)
-    assert 'setting:       "experiment" = "lr-3e-4"' in (tmp_path / "index.md").read_text()
+    assert sink.run is not None
+    assert sink.run.settings["experiment"] == "lr-3e-4"
 
 
 @pytest.mark.parametrize(

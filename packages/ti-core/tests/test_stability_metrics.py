@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import polars as pl
 import pytest
 import torch
+from _core_helpers import stats
 from torch import nn
 
 from ti_core import AlwaysSampler, MemorySink, inject_observer, observe
@@ -95,16 +95,11 @@ def test_metrics_are_checked_at_attach() -> None:
         inject_observer(model, output_dir=None, sink=MemorySink(), metrics="rms")
 
 
-def _rows(sink: MemorySink) -> pl.DataFrame:
-    return pl.from_arrow(sink.table())  # type: ignore[return-value]
-
-
-def _check_outputs(table: pl.DataFrame, expected: dict[str, np.ndarray]) -> None:
-    assert set(table["metric"].unique()) == set(CHOSEN)
+def _check_outputs(table: Any, expected: dict[str, np.ndarray]) -> None:
+    assert set(table.column("metric").to_pylist()) == set(CHOSEN)
     for layer, values in expected.items():
         want = stability_reference(values)
-        rows = table.filter(pl.col("layer") == layer, pl.col("signal") == "output")
-        got = dict(zip(rows["metric"], rows["value"], strict=True))
+        got = stats(table, layer=layer, signal="output")
         for name in STABILITY_METRICS:
             assert got[name] == pytest.approx(want[name], rel=1e-6), (layer, name)
 
@@ -119,16 +114,13 @@ def test_observed_model_records_the_chosen_metrics_on_every_signal() -> None:
         model, output_dir=None, sink=sink, sampler=AlwaysSampler(), metrics=CHOSEN, signals=signals
     ):
         model(x).pow(2).mean().backward()
-    table = _rows(sink)
-    assert set(table["signal"].unique()) == set(signals)
+    table = sink.table()
+    assert set(table.column("signal").to_pylist()) == set(signals)
     with torch.no_grad():
         h0 = model[0](x)
         expected = {"0": h0.numpy(), "1": model[1](h0).numpy()}
     _check_outputs(table, expected)
-    grad = table.filter(pl.col("layer") == "0", pl.col("signal") == "parameter_gradient").filter(
-        pl.col("tensor_path") == "weight"
-    )
-    got = dict(zip(grad["metric"], grad["value"], strict=True))
+    got = stats(table, layer="0", signal="parameter_gradient", tensor_path="weight")
     want = stability_reference(model[0].weight.grad.numpy())
     for name in STABILITY_METRICS:
         assert got[name] == pytest.approx(want[name], rel=1e-6)
@@ -148,4 +140,4 @@ def test_compiled_model_records_the_chosen_metrics() -> None:
     with torch.no_grad():
         h0 = model[0](x)
         expected = {"0": h0.numpy(), "1": model[1](h0).numpy(), "2": model(x).numpy()}
-    _check_outputs(_rows(sink), expected)
+    _check_outputs(sink.table(), expected)
