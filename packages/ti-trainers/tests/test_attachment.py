@@ -93,6 +93,8 @@ def test_options_are_inject_observers_and_checked_at_construction() -> None:
         "update_budget_bytes",
         "sentinel",
         "precision",
+        "settings",
+        "metrics",
     }
     with pytest.raises(TypeError, match=r"unexpected keyword argument.*outputdir"):
         Attachment({"outputdir": "x"}, "Cb")
