@@ -113,7 +113,9 @@ class DirectorySink:
     :data:`~ti_io.config.OBJECT_STORE_FLUSH_SECONDS` s instead of every second). ``overwrite``:
     replace the artifacts of a previous run in the same directory (only those; other files
     stay). Without it a directory holding a run is refused at ``open``, before anything is
-    touched.
+    touched. ``tensorboard_scalars`` (default True): beside the focus layers' histograms, every
+    available metric of their rows as a TensorBoard scalar (``fc/call0/output/std``, step =
+    sample_id); False writes histograms only.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class DirectorySink:
         history_config: HistoryConfig | None = None,
         overwrite: bool = False,
         filesystem: object | None = None,
+        tensorboard_scalars: bool = True,
     ) -> None:
         if not isinstance(output_dir, str | os.PathLike | RunLocation):
             raise TypeError(
@@ -162,6 +165,12 @@ class DirectorySink:
             raise TypeError(
                 f"DirectorySink(overwrite=...) must be True or False, got {overwrite!r}"
             )
+        if not isinstance(tensorboard_scalars, bool):
+            raise TypeError(
+                "DirectorySink(tensorboard_scalars=...) must be True or False, got "
+                f"{tensorboard_scalars!r}"
+            )
+        self.tensorboard_scalars = tensorboard_scalars
         self.output_dir: Path | str = (
             remote.uri if remote is not None else Path(output_dir)  # type: ignore[arg-type]
         )
@@ -327,6 +336,7 @@ class DirectorySink:
             histogram_part_rows=self.history_config.histogram_buffer_rows,
             delay=self.history_config.flush_seconds,
             events=events,
+            scalar_layers=frozenset(run.focus_layers) if self.tensorboard_scalars else frozenset(),
         )
         self._event_writer = EventPartWriter(where, events_schema(run.producer))
         self._facts = facts

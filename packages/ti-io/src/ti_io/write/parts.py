@@ -191,8 +191,11 @@ class PartWriter:
         histogram_part_rows: int,
         delay: float | None,
         events: EventFileHistograms | EventFileSequence | None,
+        scalar_layers: frozenset[str] = frozenset(),
     ) -> None:
         self._directory = directory
+        self._scalar_layers = scalar_layers
+        """The layers whose history rows also go to TensorBoard as scalars (none: off)."""
         self._history_dir = directory / HISTORY_PARTS
         self._histogram_dir = directory / HISTOGRAM_PARTS
         self._history_schema = history_schema
@@ -344,8 +347,8 @@ class PartWriter:
 
     def _publish(self, history: list[pa.RecordBatch], histograms: list[pa.RecordBatch]) -> None:
         """Write one publication: TensorBoard events, then the history and histogram parts."""
-        if histograms:
-            self._write_events(histograms)
+        if histograms or (history and self._scalar_layers):
+            self._write_events(histograms, history)
         if history:
             self._write_part("history", history)
         if histograms:
@@ -370,12 +373,17 @@ class PartWriter:
         except Exception as exc:  # recorded and reported on the training thread
             self._fail(path, exc, sum(b.num_rows for b in batches), lost)
 
-    def _write_events(self, batches: list[pa.RecordBatch]) -> None:
+    def _write_events(
+        self, batches: list[pa.RecordBatch], history: list[pa.RecordBatch] | None = None
+    ) -> None:
         if self._events is None:
             return
         try:
             for batch in batches:
                 self._events.write(batch)
+            if self._scalar_layers:
+                for batch in history or ():
+                    self._events.write_scalars(batch, self._scalar_layers)
             self._events.flush()
         except Exception as exc:
             rows = sum(b.num_rows for b in batches)

@@ -1,6 +1,7 @@
 """TensorBoard tags for arbitrary module names, escaped deterministically and reversibly.
 
-A tag is ``{layer}/call{call_index}/{signal}{tensor_path}``; a ``tensor_path`` that is a name
+A histogram's tag is ``{layer}/call{call_index}/{signal}{tensor_path}``, a scalar's the same
+with ``/{metric}`` after it; a ``tensor_path`` that is a name
 (a parameter's, ``weight``) is joined with a dot: ``fc/call0/parameter_update.weight``. Module
 names are arbitrary strings
 (``nn.ModuleDict`` keys may hold ``/``, ``..``, newlines, Markdown or HTML), so ``layer`` and
@@ -30,6 +31,13 @@ def escape_tag_part(text: str) -> str:
     if all(_keep(c) for c in text):
         return text
     return "".join(c if _keep(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8")) for c in text)
+
+
+@functools.lru_cache(maxsize=16384)
+def scalar_tag(layer: str, call_index: int, signal: str, tensor_path: str, metric: str) -> str:
+    """The TensorBoard tag of one metric of one measured tensor: its histogram's tag, ``/``
+    and the metric (escaped as the other parts): ``fc/call0/output/std``."""
+    return f"{histogram_tag(layer, call_index, signal, tensor_path)}/{escape_tag_part(metric)}"
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,9 +1,14 @@
-"""Histograms as TensorBoard events: in the run directory, or in a caller-owned writer.
+"""Histograms and scalars as TensorBoard events: in the run directory, or in a caller-owned
+writer.
 
 Both paths write the same records: one legacy ``histo`` summary per focus-layer tensor, tagged
 by :func:`ti_io.write.tags.histogram_tag`, at ``step = sample_id`` and ``wall_time`` = the tensor's
 timestamp. Rows with no finite entries (``num == 0``) have nothing to draw and are left out of
-TensorBoard; ``histograms.parquet`` keeps them.
+TensorBoard; ``histograms.parquet`` keeps them. Scalars: every available metric of every
+focus-layer tensor (the layers with histograms), one ``simple_value`` summary each, tagged by
+:func:`ti_io.write.tags.scalar_tag` (``fc/call0/output/std``), at ``step = sample_id``; a null
+value (unavailable) is left out. TensorBoard keeps scalars in float32; history.parquet holds the
+float64 values.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.compat.proto.summary_pb2 import HistogramProto
 
 from ti_io.storage import RunLocation, publish_bytes
-from ti_io.write.tags import histogram_tag
+from ti_io.write.tags import histogram_tag, scalar_tag
 from ti_schema.sink import RunInfo, SinkCapabilities
 
 
@@ -88,6 +93,51 @@ def histogram_records(batch: pa.RecordBatch | pa.Table) -> Iterator[HistogramRec
             bucket_limits=limits,
             bucket_counts=counts,
         )
+
+
+@dataclass(frozen=True)
+class ScalarRecord:
+    """One scalar ready for TensorBoard."""
+
+    tag: str
+    step: int
+    wall_time: float
+    value: float
+
+
+def scalar_records(
+    batch: pa.RecordBatch | pa.Table, focus: frozenset[str]
+) -> Iterator[ScalarRecord]:
+    """The available values of the focus layers' rows of a ``ti.history`` batch, in row
+    order."""
+    if batch.num_rows == 0 or not focus:
+        return
+    keep = pc.and_(
+        pc.is_in(pc.cast(batch.column("layer"), pa.string()), pa.array(sorted(focus))),
+        pc.is_valid(batch.column("value")),
+    )
+    picked = batch.filter(keep)
+    if picked.num_rows == 0:
+        return
+    micros = pc.cast(pc.cast(picked.column("timestamp"), pa.timestamp("us")), pa.int64())
+    cols = [
+        _column(picked, name)
+        for name in ("layer", "call_index", "signal", "tensor_path", "metric", "sample_id", "value")
+    ]
+    for (layer, call, signal, path, metric, step, value), us in zip(
+        zip(*cols, strict=True), micros.to_pylist(), strict=True
+    ):
+        yield ScalarRecord(scalar_tag(layer, call, signal, path, metric), step, us / 1e6, value)
+
+
+def _scalar_event(record: ScalarRecord) -> event_pb2.Event:
+    return event_pb2.Event(
+        wall_time=record.wall_time,
+        step=record.step,
+        summary=summary_pb2.Summary(
+            value=[summary_pb2.Summary.Value(tag=record.tag, simple_value=record.value)]
+        ),
+    )
 
 
 def masked_crc32c(data: bytes) -> int:
@@ -161,6 +211,14 @@ class EventFileHistograms:
             written += 1
         return written
 
+    def write_scalars(self, batch: pa.RecordBatch | pa.Table, focus: frozenset[str]) -> int:
+        """Append the focus layers' scalars of a history ``batch``; returns how many."""
+        written = 0
+        for record in scalar_records(batch, focus):
+            self._writer.write(_scalar_event(record).SerializeToString())
+            written += 1
+        return written
+
     def flush(self) -> None:
         self._writer.flush()
 
@@ -203,6 +261,15 @@ class EventFileSequence:
         written = 0
         for record in histogram_records(batch):
             self._writer.write(_event(record).SerializeToString())
+            written += 1
+        self._pending += written
+        return written
+
+    def write_scalars(self, batch: pa.RecordBatch | pa.Table, focus: frozenset[str]) -> int:
+        """Buffer the focus layers' scalars of a history ``batch``; returns how many."""
+        written = 0
+        for record in scalar_records(batch, focus):
+            self._writer.write(_scalar_event(record).SerializeToString())
             written += 1
         self._pending += written
         return written
@@ -250,10 +317,16 @@ class TensorBoardSink:
     ``logger``: a ``torch.utils.tensorboard.SummaryWriter`` or anything with the same
     ``add_histogram_raw``/``flush`` methods, or a Lightning ``TensorBoardLogger`` (its
     ``experiment`` writer is used). The writer is flushed at ``close`` and never closed: it
-    belongs to the caller. Scalar history is not written here; it stays in Parquet.
+    belongs to the caller. ``scalars`` (default True): every available metric of the focus
+    layers' rows also as a scalar (``add_scalar``; module docstring); False leaves them to
+    Parquet.
     """
 
-    def __init__(self, logger: Any) -> None:
+    def __init__(self, logger: Any, *, scalars: bool = True) -> None:
+        if not isinstance(scalars, bool):
+            raise TypeError(f"TensorBoardSink(scalars=...) must be True or False, got {scalars!r}")
+        self._scalars = scalars
+        self._focus: frozenset[str] = frozenset()
         if not (_is_writer(logger) or hasattr(logger, "experiment")):
             raise TypeError(
                 "TensorBoardSink(logger) takes a torch.utils.tensorboard.SummaryWriter or a "
@@ -283,10 +356,23 @@ class TensorBoardSink:
                 "TensorBoardSink(logger): logger.experiment has no add_histogram_raw()/flush(); "
                 f"got {type(writer).__name__}. Pass a TensorBoard logger or a SummaryWriter."
             )
+        if self._scalars and not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError(
+                f"TensorBoardSink(logger): the writer ({type(writer).__name__}) has no "
+                "add_scalar(); pass scalars=False to write histograms only"
+            )
         self._writer = writer
+        self._focus = frozenset(run.focus_layers) if self._scalars else frozenset()
 
     def write_history(self, batch: pa.RecordBatch) -> None:
-        """Scalar history is not sent to TensorBoard (it lives in history.parquet)."""
+        """Add the focus layers' available values of ``batch`` as scalars (with
+        ``scalars=True``); every row stays in history.parquet either way."""
+        if self._writer is None:
+            raise RuntimeError("TensorBoardSink.write_history called before open()")
+        for record in scalar_records(batch, self._focus):
+            self._writer.add_scalar(
+                record.tag, record.value, global_step=record.step, walltime=record.wall_time
+            )
 
     def write_histograms(self, batch: pa.RecordBatch) -> None:
         """Add every drawable histogram of ``batch`` to the caller's writer."""
