@@ -8,14 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.utils.tensorboard import SummaryWriter
-
 import numpy as np
 import polars as pl
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.utils.tensorboard import SummaryWriter
 
 from ti_core import AlwaysSampler, inject_observer, remove_observer
 from ti_io import DirectorySink, TensorBoardSink, histogram_tag
