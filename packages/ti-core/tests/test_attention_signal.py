@@ -15,8 +15,7 @@ from _core_helpers import assert_matches, reference, rows, stats
 from torch import nn
 
 from ti_core import EveryNForwardsSampler, MemorySink, observe
-from ti_core.capture.attention import MAX_LOGITS
-from ti_schema import DEFAULT_SIGNALS
+from ti_schema import DEFAULT_METRICS, DEFAULT_SIGNALS, STABILITY_METRICS
 from ti_schema.testing import assert_history_conforms
 
 SIGNALS = (*DEFAULT_SIGNALS, "attention")
@@ -121,20 +120,66 @@ def test_calls_outside_the_selected_modules_are_not_recorded() -> None:
     assert not rows(sink.table(), signal="attention")
 
 
-def test_a_call_over_the_logit_budget_says_so() -> None:
-    class Big(nn.Module):
-        def forward(self, q: torch.Tensor) -> torch.Tensor:
-            return F.scaled_dot_product_attention(q, q, q)
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_a_call_over_the_logit_budget_is_measured_in_blocks(
+    mask_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the budget at 20 logits, every call is measured a few query rows at a time: mean,
+    std, extremes, fractions, rms and max_abs equal the whole logits' (numpy float64); the
+    quartiles are null with the reason."""
+    from ti_core.capture import attention as capture
 
-    side = math.isqrt(MAX_LOGITS) + 1  # side * side logits: over the budget
-    q = torch.zeros(1, 1, side, 1)
-    model = nn.Sequential(Big())
-    sink = MemorySink()
-    with observe(model, output_dir=None, sink=sink, signals=SIGNALS, error_policy="raise"):
-        model(q)
-    found = rows(sink.table(), signal="attention")
-    assert found
-    assert all(r["value"] is None for r in found)
-    assert found[0]["unavailable_reason"].startswith(
-        f"attention logits not measured: this call's logits hold {side * side} entries"
+    monkeypatch.setattr(capture, "MAX_LOGITS", 20)
+    torch.manual_seed(0)
+    attention = Attention()
+    model = nn.Sequential(nn.Linear(16, 16), attention)
+    t = 6
+    allowed = torch.rand(t, t) > 0.3
+    allowed[:, 0] = True
+    attention.mask = (
+        allowed
+        if mask_kind == "bool"
+        else torch.where(allowed, torch.randn(t, t) * 0.1, float("-inf"))
     )
+    x = torch.randn(2, t, 16)
+    sink = MemorySink()
+    metrics = (*DEFAULT_METRICS, *STABILITY_METRICS)
+    with observe(
+        model,
+        output_dir=None,
+        sink=sink,
+        signals=SIGNALS,
+        selector=with_attention,
+        metrics=metrics,
+        error_policy="raise",
+    ):
+        model(x)
+    table = sink.table()
+    assert_history_conforms(table)
+    with torch.no_grad():
+        h = model[0](x)
+        q = attention.q(h).view(2, t, 4, 8).transpose(1, 2).double().numpy()
+        k = attention.kv(h).view(2, t, 2, 2, 8).unbind(2)[0].transpose(1, 2).double().numpy()
+    mask = attention.mask.numpy()
+    causal = logits_by_hand(q, k, 1 / math.sqrt(8), np.tril(np.ones((t, t), dtype=bool)))
+    if mask_kind == "bool":
+        masked = logits_by_hand(q, k, 0.3, mask)
+    else:
+        masked = logits_by_hand(q, k, 0.3, ~np.isneginf(mask), mask.astype(np.float64))
+    for path, values in (("sdpa[0]", causal), ("sdpa[1]", masked)):
+        got = stats(table, signal="attention", tensor_path=path)
+        want = reference(values)
+        exact = {
+            **{m: want[m] for m in want if m not in ("p25", "p50", "p75")},
+            "rms": float(np.sqrt((values**2).mean())),
+            "max_abs": float(np.abs(values).max()),
+        }
+        assert_matches(got, exact, rtol=1e-9)
+        found = rows(table, signal="attention", tensor_path=path)
+        assert {r["shape"][0] for r in found} == {values.size}
+        reasons = {r["metric"]: r["unavailable_reason"] for r in found if r["value"] is None}
+        assert set(reasons) == {"p25", "p50", "p75", "kurtosis"}
+        assert all(
+            r.startswith(f"not computed: this call's {2 * 4 * t * t} attention")
+            for r in reasons.values()
+        )

@@ -13,12 +13,16 @@ Each call's logits ``q @ k^T * scale`` are computed again, in float64, from the 
 ``query`` and ``key`` (``enable_gqa``: the key's heads repeated), the causal or given mask
 applied (a boolean mask keeps its ``True`` entries, a float mask is added and its ``-inf``
 entries are left out), and the entries that take part are measured as one tensor by the
-run's reduction, exactly. A call whose logits hold more than :data:`MAX_LOGITS` entries is not
-computed (its rows say so): memory never holds more than that many logits at once.
+run's reduction, exactly. A call whose logits hold more than :data:`MAX_LOGITS` entries is
+measured in blocks of query rows (:func:`blocked_logits`): memory never holds more than that
+many logits at once; its mean, std, extremes, fractions, ``rms`` and ``max_abs`` are exact
+(float64, merged block by block), the other metrics (quartiles, kurtosis) null with
+:data:`BLOCKED_REASON`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -31,15 +35,27 @@ from torch.overrides import TorchFunctionMode
 
 from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, TensorBatch
 from ti_core.capture.context import now_us
-from ti_core.entries import Entry, Gaps
+from ti_core.entries import Gaps
 from ti_core.reduction.support import dtype_name
 
 MAX_LOGITS: Final[int] = SNAPSHOT_BUDGET_BYTES // 8
 """Float64 logits computed for one call at most (the snapshot budget's bytes)."""
-TOO_MANY_REASON: Final[str] = (
-    "attention logits not measured: this call's logits hold {n} entries, over the {limit} "
-    "computed at once (bound memory); sample a shorter sequence or a smaller batch"
+BLOCKED_REASON: Final[str] = (
+    "not computed: this call's {n} attention logits exceed the {limit} computed at once, so "
+    "they were measured in blocks, where only mean, std, min, max, rms, max_abs and the "
+    "fractions are exact (sample a shorter sequence or a smaller batch for the rest)"
 )
+BLOCKED_METRICS: Final[tuple[str, ...]] = (
+    "mean",
+    "std",
+    "min",
+    "max",
+    "zero_fraction",
+    "nonfinite_fraction",
+    "rms",
+    "max_abs",
+)
+"""What a call over :data:`MAX_LOGITS` gets, from its blocks (:class:`BlockMoments`)."""
 _SDPA: Final = F.scaled_dot_product_attention
 _ARGUMENTS: Final[tuple[str, ...]] = (
     "query",
@@ -81,6 +97,103 @@ def attention_logits(
             logits = logits + mask.to(torch.float64)
             keep = keep & ~torch.isneginf(mask)
     return logits, keep.expand(logits.shape)
+
+
+class BlockMoments:
+    """Exact float64 statistics of a tensor seen a block at a time: counts, extremes, and the
+    mean and centered sum of squares merged block by block (Chan et al.'s pairwise update)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.finite = 0
+        self.zeros = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.squares = 0.0
+        self.lo = math.inf
+        self.hi = -math.inf
+
+    def add(self, values: torch.Tensor) -> None:
+        """One block's entries (float64, 1-D)."""
+        finite = values[torch.isfinite(values)]
+        self.count += values.numel()
+        self.zeros += int((values == 0).sum())
+        n = finite.numel()
+        if not n:
+            return
+        mean = float(finite.mean())
+        m2 = float(((finite - mean) ** 2).sum())
+        total = self.finite + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.finite * n / total
+        self.finite = total
+        self.squares += float((finite * finite).sum())
+        self.lo = min(self.lo, float(finite.min()))
+        self.hi = max(self.hi, float(finite.max()))
+
+    def values(self) -> dict[str, float]:
+        """The :data:`BLOCKED_METRICS` that exist (the fractions need entries, the rest finite
+        ones)."""
+        if not self.count:
+            return {}
+        out = {
+            "zero_fraction": self.zeros / self.count,
+            "nonfinite_fraction": (self.count - self.finite) / self.count,
+        }
+        if self.finite:
+            out.update(
+                mean=self.mean,
+                std=math.sqrt(self.m2 / self.finite),
+                min=self.lo,
+                max=self.hi,
+                rms=math.sqrt(self.squares / self.finite),
+                max_abs=max(abs(self.lo), abs(self.hi)),
+            )
+        return out
+
+
+def blocked_logits(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    limit: int,
+) -> BlockMoments:
+    """The statistics of an attention call's logits that take part (as
+    :func:`attention_logits`), computed a block of query rows at a time: never more than
+    ``limit`` logits (and one query and key head) at once."""
+    q, k = query.detach(), key.detach()
+    if enable_gqa and q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])  # type: ignore[no-untyped-call]
+    length, source, width = q.shape[-2], k.shape[-2], q.shape[-1]
+    q = q.expand(*batch, length, width)
+    k = k.expand(*batch, source, width)
+    mask = None if attn_mask is None else attn_mask.detach().expand(*batch, length, source)
+    factor = 1.0 / math.sqrt(width) if scale is None else float(scale)
+    rows = max(1, limit // max(source, 1))
+    columns = torch.arange(source, device=q.device)
+    moments = BlockMoments()
+    for index in itertools.product(*(range(n) for n in batch)):
+        keys = k[index].to(torch.float64)
+        for start in range(0, length, rows):
+            stop = min(length, start + rows)
+            logits = (q[index][start:stop].to(torch.float64) @ keys.T) * factor
+            keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+            if is_causal:
+                keep &= columns[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
+            if mask is not None:
+                part = mask[index][start:stop]
+                if part.dtype == torch.bool:
+                    keep &= part
+                else:
+                    logits = logits + part.to(torch.float64)
+                    keep &= ~torch.isneginf(part)
+            moments.add(logits[keep])
+    return moments
 
 
 def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -151,17 +264,22 @@ class AttentionCalls:
             count = math.prod(shape) * query.shape[-2] * key.shape[-2]
             grad_enabled = torch.is_grad_enabled()
             if count > MAX_LOGITS:
-                entry = Entry(
-                    layer,
-                    call,
-                    path,
-                    bool(module.training),
-                    grad_enabled,
-                    (count,),
-                    dtype_name(torch.float64),
-                    stamp,
+                moments = blocked_logits(
+                    query,
+                    key,
+                    bound.get("attn_mask"),
+                    bool(bound.get("is_causal", False)),
+                    bound.get("scale"),
+                    bool(bound.get("enable_gqa", False)),
+                    MAX_LOGITS,
                 )
-                self.gaps.add(entry, TOO_MANY_REASON.format(n=count, limit=MAX_LOGITS))
+                self.batch.add_measured(
+                    moments.values(),
+                    BLOCKED_REASON.format(n=count, limit=MAX_LOGITS),
+                    (moments.count,),
+                    dtype_name(torch.float64),
+                    (layer, call, path, bool(module.training), grad_enabled, stamp),
+                )
                 return
             logits, keep = attention_logits(
                 query,
@@ -202,9 +320,12 @@ class AttentionMode(TorchFunctionMode):
 
 
 __all__ = [
+    "BLOCKED_METRICS",
+    "BLOCKED_REASON",
     "MAX_LOGITS",
-    "TOO_MANY_REASON",
     "AttentionCalls",
     "AttentionMode",
+    "BlockMoments",
     "attention_logits",
+    "blocked_logits",
 ]

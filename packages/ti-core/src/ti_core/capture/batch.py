@@ -365,6 +365,26 @@ class TensorBatch:
         self._reduction.unavailable(slot, reason)
         return slot
 
+    def add_measured(
+        self,
+        values: dict[str, float],
+        reason: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        entry: tuple[int, int, str, bool, bool, int],
+    ) -> None:
+        """Record one entry whose tensor was measured elsewhere (in blocks, never whole):
+        ``values`` by metric name, the other metrics null with ``reason``; ``entry`` is
+        ``(layer, call_index, path, train, grad_enabled, timestamp_us)``."""
+        layer, call_index, path, train, grad_enabled, stamp = entry
+        slot = len(self._slot_focus)
+        self._slot_focus.append(False)
+        self._slot_shape.append(shape)
+        self._slot_dtype.append(dtype)
+        self._reduction.given(slot, values, self._plan.metric_names, reason)
+        self.rows.append((layer, call_index, path, train, grad_enabled, slot))
+        self.stamps.append(stamp)
+
     def _reduce_pending(self, parallel: bool = False) -> None:
         self._bytes = 0
         self._reduction.reduce_pending(parallel)
