@@ -33,6 +33,7 @@ __all__ = [
     "ReducerSpec",
     "ReductionPlan",
     "default_reducers",
+    "with_default_profile",
 ]
 
 
@@ -76,6 +77,24 @@ ReducerSpec = DefaultProfile | Reducer
 def default_reducers() -> tuple[ReducerSpec, ...]:
     """The default reducers: the default metric profile alone."""
     return (DefaultProfile(),)
+
+
+def with_default_profile(
+    reducers: Sequence[ReducerSpec],
+    change: Callable[[DefaultProfile], DefaultProfile],
+    asked: str,
+) -> tuple[ReducerSpec, ...]:
+    """``reducers`` with every :class:`DefaultProfile` replaced by ``change(profile)`` (the
+    run's choice of metrics or precision formats; ``asked`` says what it asks of the profile,
+    for the error). The reducers' own errors come first; ValueError when there is no default
+    profile to change."""
+    ReductionPlan(reducers)
+    if not any(isinstance(spec, DefaultProfile) for spec in reducers):
+        raise ValueError(
+            f"{asked}, but reducers= has no DefaultProfile; add one, e.g. "
+            "reducers=[*default_reducers(), ...]"
+        )
+    return tuple(change(s) if isinstance(s, DefaultProfile) else s for s in reducers)
 
 
 @dataclass

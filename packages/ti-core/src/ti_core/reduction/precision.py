@@ -32,7 +32,12 @@ import torch
 
 from ti_core.reduction import numpy_rows, torch_rows
 from ti_core.reduction.engines import DEFAULT_ENGINES, ProfileEngines
-from ti_core.reduction.plan import DefaultProfile, ReducerSpec, ReductionPlan
+from ti_core.reduction.plan import (
+    DefaultProfile,
+    ReducerSpec,
+    ReductionPlan,
+    with_default_profile,
+)
 from ti_schema import MetricSpec
 from ti_schema.precision import (
     MIN_ABS_NONZERO,
@@ -471,22 +476,18 @@ def with_precision(
     (unchanged when ``formats`` is empty). ValueError when there is no default profile to
     extend."""
     chosen = check_formats(formats)
-    ReductionPlan(reducers)  # the reducers' own errors first
     if not chosen:
+        ReductionPlan(reducers)  # the reducers' own errors, as with any format
         return tuple(reducers)
-    if not any(isinstance(spec, DefaultProfile) for spec in reducers):
-        raise ValueError(
-            f"precision={chosen!r} extends the default profile, but reducers= has no "
-            "DefaultProfile; add one, e.g. reducers=[*default_reducers(), ...]"
-        )
-    out: list[ReducerSpec] = []
-    for spec in reducers:
-        if isinstance(spec, DefaultProfile):
-            engines = precision_engines(chosen, spec.engines)
-            added = tuple(n for n in engines.metrics.names if n not in spec.engines.metrics)
-            spec = replace(spec, names=(*spec.names, *added), engines=engines)
-        out.append(spec)
-    return tuple(out)
+
+    def change(spec: DefaultProfile) -> DefaultProfile:
+        engines = precision_engines(chosen, spec.engines)
+        added = tuple(n for n in engines.metrics.names if n not in spec.engines.metrics)
+        return replace(spec, names=(*spec.names, *added), engines=engines)
+
+    return with_default_profile(
+        reducers, change, f"precision={chosen!r} extends the default profile"
+    )
 
 
 __all__ = ["CHUNK", "bounds", "mx_pieces", "precision_engines", "target_dtype", "with_precision"]

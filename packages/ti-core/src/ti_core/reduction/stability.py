@@ -20,7 +20,12 @@ import torch
 
 from ti_core.reduction import numpy_rows, torch_rows
 from ti_core.reduction.engines import DEFAULT_ENGINES, MOMENT_METRICS, ProfileEngines
-from ti_core.reduction.plan import DefaultProfile, ReducerSpec, ReductionPlan
+from ti_core.reduction.plan import (
+    DefaultProfile,
+    ReducerSpec,
+    ReductionPlan,
+    with_default_profile,
+)
 from ti_schema import (
     DEFAULT_METRICS,
     DEFAULT_PROFILE,
@@ -137,21 +142,17 @@ def with_metrics(reducers: Sequence[ReducerSpec], names: Iterable[str]) -> tuple
     nine). ValueError when a choice other than the default has no default profile to apply
     to."""
     chosen = check_metrics(names)
-    ReductionPlan(reducers)  # the reducers' own errors first
     if chosen == DEFAULT_METRICS:
+        ReductionPlan(reducers)  # the reducers' own errors, as on any other choice
         return tuple(reducers)
-    if not any(isinstance(spec, DefaultProfile) for spec in reducers):
-        raise ValueError(
-            f"metrics={list(chosen)!r} sets the default profile's metrics, but reducers= has "
-            "no DefaultProfile; add one, e.g. reducers=[*default_reducers(), ...]"
-        )
-    out: list[ReducerSpec] = []
-    for spec in reducers:
-        if isinstance(spec, DefaultProfile):
-            engines = metric_engines(chosen, spec.engines)
-            spec = replace(spec, names=engines.metrics.names, engines=engines)
-        out.append(spec)
-    return tuple(out)
+
+    def change(spec: DefaultProfile) -> DefaultProfile:
+        engines = metric_engines(chosen, spec.engines)
+        return replace(spec, names=engines.metrics.names, engines=engines)
+
+    return with_default_profile(
+        reducers, change, f"metrics={list(chosen)!r} sets the default profile's metrics"
+    )
 
 
 __all__ = ["CHUNK", "check_metrics", "metric_engines", "with_metrics"]
