@@ -69,6 +69,31 @@ _ARGUMENTS: Final[tuple[str, ...]] = (
 )
 
 
+def _grouped_keys(query: torch.Tensor, key: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+    """``key`` with its heads repeated to the query's (``enable_gqa``), detached."""
+    key = key.detach()
+    if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+    return key
+
+
+def _factor(width: int, scale: float | None) -> float:
+    """The call's ``scale``, else ``1/sqrt(head dim)`` (as the attention function)."""
+    return 1.0 / math.sqrt(width) if scale is None else float(scale)
+
+
+def _apply_mask(
+    logits: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A boolean ``mask`` keeps its ``True`` entries; a float one is added to the logits and
+    its ``-inf`` entries are left out."""
+    if mask is None:
+        return logits, keep
+    if mask.dtype == torch.bool:
+        return logits, keep & mask
+    return logits + mask.to(torch.float64), keep & ~torch.isneginf(mask)
+
+
 def attention_logits(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -80,22 +105,14 @@ def attention_logits(
     """The float64 logits of an attention call (``q @ k^T * scale``, a float mask added) and
     the boolean mask of the entries that take part, broadcast to the logits' shape."""
     q = query.detach().to(torch.float64)
-    k = key.detach().to(torch.float64)
-    if enable_gqa and q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    logits = torch.matmul(q, k.transpose(-2, -1)) * factor
+    k = _grouped_keys(query, key, enable_gqa).to(torch.float64)
+    logits = torch.matmul(q, k.transpose(-2, -1)) * _factor(q.shape[-1], scale)
     length, source = logits.shape[-2], logits.shape[-1]
     keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
     if is_causal:
         keep = keep & torch.ones(length, source, dtype=torch.bool, device=logits.device).tril()
-    if attn_mask is not None:
-        mask = attn_mask.detach()
-        if mask.dtype == torch.bool:
-            keep = keep & mask
-        else:
-            logits = logits + mask.to(torch.float64)
-            keep = keep & ~torch.isneginf(mask)
+    mask = None if attn_mask is None else attn_mask.detach()
+    logits, keep = _apply_mask(logits, keep, mask)
     return logits, keep.expand(logits.shape)
 
 
@@ -165,15 +182,13 @@ def blocked_logits(
     """The statistics of an attention call's logits that take part (as
     :func:`attention_logits`), computed a block of query rows at a time: never more than
     ``limit`` logits (and one query and key head) at once."""
-    q, k = query.detach(), key.detach()
-    if enable_gqa and q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    q, k = query.detach(), _grouped_keys(query, key, enable_gqa)
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])  # type: ignore[no-untyped-call]
     length, source, width = q.shape[-2], k.shape[-2], q.shape[-1]
     q = q.expand(*batch, length, width)
     k = k.expand(*batch, source, width)
     mask = None if attn_mask is None else attn_mask.detach().expand(*batch, length, source)
-    factor = 1.0 / math.sqrt(width) if scale is None else float(scale)
+    factor = _factor(width, scale)
     rows = max(1, limit // max(source, 1))
     columns = torch.arange(source, device=q.device)
     moments = BlockMoments()
@@ -185,13 +200,8 @@ def blocked_logits(
             keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
             if is_causal:
                 keep &= columns[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
-            if mask is not None:
-                part = mask[index][start:stop]
-                if part.dtype == torch.bool:
-                    keep &= part
-                else:
-                    logits = logits + part.to(torch.float64)
-                    keep &= ~torch.isneginf(part)
+            part = None if mask is None else mask[index][start:stop]
+            logits, keep = _apply_mask(logits, keep, part)
             moments.add(logits[keep])
     return moments
 
