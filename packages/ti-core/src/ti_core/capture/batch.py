@@ -317,7 +317,7 @@ class TensorBatch:
             t, not_measured = measurable(tensor)
             reason = reason or not_measured
             if reason is not None:
-                return self._unavailable_slot(t, key, version, tensor, focus, reason)
+                return self._unavailable_slot(t, key, version, tensor, reason)
         if t.device.type != "cpu":
             self.host_only = False
         nbytes = t.numel() * t.element_size()
@@ -347,22 +347,24 @@ class TensorBatch:
         return slot
 
     def _unavailable_slot(
-        self,
-        t: torch.Tensor,
-        key: int,
-        version: int | None,
-        tensor: torch.Tensor,
-        focus: bool,
-        reason: str,
+        self, t: torch.Tensor, key: int, version: int | None, tensor: torch.Tensor, reason: str
     ) -> int:
         """A slot for ``tensor``, which is not measured (``reason``): its rows are null."""
-        slot = len(self._slot_focus)
-        self._slot_focus.append(False)  # no histogram either
-        self._slot_shape.append(shape_of(t))
-        self._slot_dtype.append(dtype_name(t.dtype))
+        slot = self._given_slot(shape_of(t), dtype_name(t.dtype), {}, reason)
         if version is not None:
             self._seen[key] = (weakref.ref(tensor), version, slot)
-        self._reduction.unavailable(slot, reason)
+        return slot
+
+    def _given_slot(
+        self, shape: tuple[int, ...], dtype: str, values: dict[str, float], reason: str
+    ) -> int:
+        """A slot measured without a snapshot (no histogram): ``values`` by metric name, the
+        other metrics null with ``reason``."""
+        slot = len(self._slot_focus)
+        self._slot_focus.append(False)
+        self._slot_shape.append(shape)
+        self._slot_dtype.append(dtype)
+        self._reduction.given(slot, values, self._plan.metric_names, reason)
         return slot
 
     def add_measured(
@@ -377,11 +379,7 @@ class TensorBatch:
         ``values`` by metric name, the other metrics null with ``reason``; ``entry`` is
         ``(layer, call_index, path, train, grad_enabled, timestamp_us)``."""
         layer, call_index, path, train, grad_enabled, stamp = entry
-        slot = len(self._slot_focus)
-        self._slot_focus.append(False)
-        self._slot_shape.append(shape)
-        self._slot_dtype.append(dtype)
-        self._reduction.given(slot, values, self._plan.metric_names, reason)
+        slot = self._given_slot(shape, dtype, values, reason)
         self.rows.append((layer, call_index, path, train, grad_enabled, slot))
         self.stamps.append(stamp)
 

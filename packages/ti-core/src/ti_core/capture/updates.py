@@ -20,7 +20,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import CodeType
 from typing import Any, Final, Protocol
 
@@ -33,7 +33,6 @@ from ti_core.capture.hooks import HookObject
 from ti_core.capture.measured import add_entry, measured_entry
 from ti_core.capture.sharding import local_tensor
 from ti_core.entries import Entry, Gaps
-from ti_core.reduction.support import dtype_name
 from ti_core.stages import stage_of
 from ti_schema import Signal
 
@@ -77,24 +76,10 @@ def state_path(path: str, part: str) -> str:
 
 
 def _state_entry(entry: Entry, part: str, tensor: torch.Tensor | None, stamp: int) -> Entry:
-    shape, dtype = (
-        (entry.shape, entry.dtype)
-        if tensor is None
-        else (
-            tuple(tensor.shape),
-            dtype_name(tensor.dtype),
-        )
-    )
-    return Entry(
-        entry.layer,
-        entry.call_index,
-        state_path(entry.path, part),
-        entry.train,
-        entry.grad_enabled,
-        shape,
-        dtype,
-        stamp,
-    )
+    """``entry`` (a parameter's) for its state tensor ``part`` at ``stamp``: measured on
+    ``tensor`` when there is one."""
+    named = replace(entry, path=state_path(entry.path, part), timestamp_us=stamp)
+    return named if tensor is None else measured_entry(named, tensor, stamp)
 
 
 def optimizer_state(

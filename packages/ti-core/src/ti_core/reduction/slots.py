@@ -102,23 +102,14 @@ class SlotReduction:
     def given(
         self, slot: int, values: dict[str, float], names: tuple[str, ...], reason: str
     ) -> None:
-        """``slot`` was measured elsewhere (in blocks: the attention logits over the budget):
-        its ``values`` by metric name; the metrics of ``names`` it lacks are null with
-        ``reason``."""
+        """``slot`` was measured elsewhere (in blocks: the attention logits over the budget),
+        or not at all (no values: a tensor without a plain representation): its ``values`` by
+        metric name; the metrics of ``names`` it lacks are null with ``reason``."""
         row = np.array([values.get(n, np.nan) for n in names], dtype=np.float64)
         available = np.array([n in values and np.isfinite(values[n]) for n in names])
         self._values.append(row[None, :])
         self._available.append(available[None, :])
         self._reasons.append([None if ok else reason for ok in available.tolist()])
-        self._reduced_slots.append(slot)
-
-    def unavailable(self, slot: int, reason: str) -> None:
-        """``slot`` is not measured (a tensor without a plain representation): its values are
-        null with ``reason``."""
-        m = self._n_metrics
-        self._values.append(np.full((1, m), np.nan))
-        self._available.append(np.zeros((1, m), dtype=np.bool_))
-        self._reasons.append([reason] * m)
         self._reduced_slots.append(slot)
 
     def rows(
