@@ -151,6 +151,15 @@ def masked_crc32c(data: bytes) -> int:
     return (rotated + 0xA282EAD8) & 0xFFFFFFFF
 
 
+def _append(writer: RecordFile, events: Iterator[event_pb2.Event]) -> int:
+    """Write ``events`` through ``writer``; returns how many."""
+    written = 0
+    for event in events:
+        writer.write(event.SerializeToString())
+        written += 1
+    return written
+
+
 class RecordFile:
     """TensorBoard's record framing (as its ``RecordWriter`` writes it) over an open binary
     file: length, masked CRC of the length, data, masked CRC of the data."""
@@ -205,19 +214,11 @@ class EventFileHistograms:
 
     def write(self, batch: pa.RecordBatch | pa.Table) -> int:
         """Append the drawable histograms of ``batch``; returns how many were written."""
-        written = 0
-        for record in histogram_records(batch):
-            self._writer.write(_event(record).SerializeToString())
-            written += 1
-        return written
+        return _append(self._writer, (_event(r) for r in histogram_records(batch)))
 
     def write_scalars(self, batch: pa.RecordBatch | pa.Table, focus: frozenset[str]) -> int:
         """Append the focus layers' scalars of a history ``batch``; returns how many."""
-        written = 0
-        for record in scalar_records(batch, focus):
-            self._writer.write(_scalar_event(record).SerializeToString())
-            written += 1
-        return written
+        return _append(self._writer, (_scalar_event(r) for r in scalar_records(batch, focus)))
 
     def flush(self) -> None:
         self._writer.flush()
@@ -258,19 +259,14 @@ class EventFileSequence:
 
     def write(self, batch: pa.RecordBatch | pa.Table) -> int:
         """Buffer the drawable histograms of ``batch``; returns how many."""
-        written = 0
-        for record in histogram_records(batch):
-            self._writer.write(_event(record).SerializeToString())
-            written += 1
+        written = _append(self._writer, (_event(r) for r in histogram_records(batch)))
         self._pending += written
         return written
 
     def write_scalars(self, batch: pa.RecordBatch | pa.Table, focus: frozenset[str]) -> int:
         """Buffer the focus layers' scalars of a history ``batch``; returns how many."""
-        written = 0
-        for record in scalar_records(batch, focus):
-            self._writer.write(_scalar_event(record).SerializeToString())
-            written += 1
+        events = (_scalar_event(r) for r in scalar_records(batch, focus))
+        written = _append(self._writer, events)
         self._pending += written
         return written
 
