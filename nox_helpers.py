@@ -40,12 +40,12 @@ PACKAGES: Final[tuple[str, ...]] = (
 )
 """Every distribution under packages/, dependencies first."""
 TEST_EXTRAS: Final[Mapping[str, tuple[str, ...]]] = {
-    "ti-io": ("plot",),
+    "ti-io": ("plot", "report"),
     "ti-trainers": ("lightning", "transformers"),
     "ti-examples": ("lightning", "transformers"),
 }
-"""Extras a package's own tests need (``ti compare --plot`` draws with matplotlib; the callbacks
-and the examples exercise Lightning and Transformers)."""
+"""Extras a package's own tests need (``ti compare --plot`` draws with matplotlib, ``ti report``
+with plotly; the callbacks and the examples exercise Lightning and Transformers)."""
 
 MUTATION_PACKAGES: Final[tuple[str, ...]] = ("ti-core", "ti-io")
 """Packages with a ``[tool.mutmut]`` table: the modules that decide what users read (ti-core's

@@ -9,15 +9,16 @@ count) computing the same aggregation over the same files:
   to the size by repeating its samples with shifted sample ids through a ``DirectorySink``;
   ``remove_observer``'s finalization (the sink's ``close()``, timed in the writing process),
   ``ti consolidate`` (a hard-linked copy of the parts taken before ``close()``: a killed run),
-  ``ti summary --csv``, ``ti compare --csv`` (the run against the consolidated copy) and
-  ``ti validate``;
+  ``ti summary --csv``, ``ti compare --csv`` (the run against the consolidated copy),
+  ``ti report`` (one run's page) and ``ti validate``;
 - every rank writing, ``--ranks`` (default 64 ranks x 3.4M rows): the same model with the
   ``parameter`` signal, each rank's outputs and gradients its own, its parameters the replicas'
   (DDP); ``ti drift``, ``ti_dist.compare_ranks(metric="std")`` and ``combine_shards`` (a DDP run
   holds no sharded tensor: the scan is the cost).
 
 References: DuckDB's ``GROUP BY`` with ``quantile_cont`` / ``max_by`` (summary), a full join of
-the two runs by measurement and sample (compare), ``COPY`` of the parts into one Parquet file and
+the two runs by measurement and sample (compare), the heat maps' cells per column of samples
+(report), ``COPY`` of the parts into one Parquet file and
 the summary aggregation (consolidate and finalization), the replica-drift and cross-rank
 aggregations (drift, compare_ranks); for ``ti validate``, pyarrow reading every page of every
 file once with checksums verified. A reference that fails (DuckDB out of memory) says so.
@@ -239,6 +240,25 @@ SELECT {_KEYS}, count(*) samples, count(va) measured_a, count(vb) measured_b,
 FROM g GROUP BY ALL"""
 
 
+def report_query(files: str, columns: int = 400) -> str:
+    """DuckDB: ``ti report``'s reduction (the min, max and mean of each tensor's output and
+    output-gradient std per column of consecutive samples) over ``files``."""
+    return f"""
+        WITH ids AS (SELECT DISTINCT sample_id FROM read_parquet('{files}')),
+        columns AS (
+            SELECT sample_id, (row_number() OVER (ORDER BY sample_id) - 1) * {columns}
+                // count(*) OVER () AS col
+            FROM ids
+        )
+        SELECT layer, call_index, signal, tensor_path, mode, grad_enabled, metric, col,
+               min(value), max(value), avg(value)
+        FROM read_parquet('{files}') JOIN columns USING (sample_id)
+        WHERE signal IN ('output', 'output_gradient')
+          AND metric IN ('std', 'nonfinite_fraction') AND isfinite(value)
+        GROUP BY ALL
+    """
+
+
 def drift_query(files: str) -> str:
     """DuckDB: ``replica_drift``'s aggregation (the value most ranks hold, who differs)."""
     key = "forward_index, signal, layer, tensor_path, metric"
@@ -373,6 +393,17 @@ def one_rank(work: Path, label: str, rows: int) -> list[Measured]:
             _duckdb(compare_query(history, str(consolidated / "history.parquet"), window)),
         )
     )
+    page = work / f"report-{label}.html"
+    measured.append(
+        _measure(
+            label,
+            "ti report (one run)",
+            _ti("report", str(run), "-o", str(page), "--no-progress"),
+            "DuckDB heat-map cells",
+            _duckdb(report_query(history)),
+        )
+    )
+    measured[-1].note += f" page {page.stat().st_size / 1e6:.1f} MB" if page.is_file() else ""
     measured.append(
         _measure(
             label,

@@ -437,6 +437,7 @@ def test_reading_benchmark_times_every_reader_beside_duckdb(tmp_path: Path) -> N
         "ti consolidate (killed run)",
         "ti summary --csv",
         "ti compare --csv (two runs)",
+        "ti report (one run)",
         "ti validate",
         "ti drift",
         'compare_ranks(metric="std", only_standouts=True)',
@@ -447,5 +448,5 @@ def test_reading_benchmark_times_every_reader_beside_duckdb(tmp_path: Path) -> N
         assert float(row["peak_mb"]) > 0, row
         assert "failed" not in row["note"], row
     with_reference = [row for row in rows if row["reference"]]
-    assert len(with_reference) == 6
+    assert len(with_reference) == 7
     assert all(float(row["reference_seconds"]) > 0 for row in with_reference)

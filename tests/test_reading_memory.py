@@ -1,5 +1,6 @@
 """Readers in bounded memory (docs/reading-at-scale.md): the peak RSS of ``ti summary``,
-``ti compare``, ``ti validate`` and ``ti consolidate`` does not grow with the history.
+``ti compare``, ``ti validate``, ``ti report`` and ``ti consolidate`` does not grow with the
+history.
 
 Each command runs in its own process on a run and on one twice as long (written by the
 project's ``DirectorySink``), with partitions of 200,000 rows (``TI_IO_PARTITION_ROWS``) so
@@ -105,6 +106,7 @@ def test_readers_peak_memory_does_not_grow_with_the_history(tmp_path: Path) -> N
             "summary": ("summary", str(run), "--csv"),
             "compare": ("compare", str(run), str(copy), "--csv"),
             "validate": ("validate", str(run)),
+            "report": ("report", str(run), "-o", str(tmp_path / f"{rows}.html"), "--no-progress"),
             "consolidate": ("consolidate", str(killed), "--force", "--no-progress"),
         }.items():
             peaks.setdefault(name, []).append(_peak_mb(*args))

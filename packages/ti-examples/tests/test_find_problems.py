@@ -96,6 +96,22 @@ def test_writes_every_run_with_valid_artifacts(demo: tuple[Path, list[ProblemRes
     assert ti_main(["validate", str(output / "detached" / "broken")]) == 0
 
 
+def test_each_experiment_writes_its_report(demo: tuple[Path, list[ProblemResult]]) -> None:
+    """report.html: the three runs side by side, a heat map per evidence signal and metric
+    (tests/test_report_browser.py opens one in Chromium)."""
+    output, results = demo
+    for result in results:
+        assert result.report == output / result.problem.name / "report.html"
+        page = result.report.read_text(encoding="utf-8")
+        assert f"page: {result.report}" in describe(result)
+        for variant in VARIANTS:
+            assert f"<th>{variant}</th>" in page
+        for panel in result.problem.panels:
+            if panel.tensor_path == "" and panel.metric != "l2_norm":
+                assert f"<h2>{panel.signal} {panel.metric}</h2>" in page
+                assert f"<td>{panel.layer}</td>" in page
+
+
 def test_samples_follow_the_sampler(demo: tuple[Path, list[ProblemResult]]) -> None:
     output, _ = demo
     samples = (

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from ti_io import DirectorySink, HistoryConfig
 from ti_schema import DEFAULT_METRICS, LayerInfo, RunInfo, histogram_schema, history_schema
 
 PRODUCER = "ti-io tests"
@@ -143,3 +145,65 @@ class Synth:
                 for k, v in row.items():
                     cols[k].append(v)
         return pa.table(cols, schema=histogram_schema(PRODUCER)).to_batches()[0]
+
+
+NO_ROW = object()
+"""A sample at which a run writes no row for a series (a gradient that did not arrive)."""
+
+Series = Mapping[tuple[str, str, str], Sequence[float | object | None]]
+"""(layer, signal, metric) -> the value at each sample id (None: a row with a null value)."""
+
+
+def write_run(
+    directory: Path,
+    series: Series,
+    *,
+    layers: Sequence[str] = ("fc1", "act", "fc2"),
+    window: int = 3,
+    finalize: bool = True,
+    first_sample: int = 0,
+    events: Sequence[pa.RecordBatch] = (),
+) -> Path:
+    """A run directory written by DirectorySink holding exactly ``series`` (and ``events``);
+    sample ``s`` is taken at root forward ``5 * s``."""
+    run = make_run(tuple((name, "Linear") for name in layers))
+    sink = DirectorySink(directory, history_config=HistoryConfig(buffer_rows=64, window=window))
+    sink.open(run)
+    samples = max(len(v) for v in series.values())
+    for i in range(samples):
+        sample = first_sample + i
+        rows: dict[str, list[Any]] = {name: [] for name in history_schema().names}
+        for (layer, signal, metric), values in series.items():
+            if i >= len(values) or values[i] is NO_ROW:
+                continue
+            value = values[i]
+            row = {
+                "run_id": run.run_id,
+                "rank": 0,
+                "sample_id": sample,
+                "forward_index": 5 * sample,
+                "timestamp": START + timedelta(seconds=sample),
+                "layer": layer,
+                "module_type": "Linear",
+                "call_index": 0,
+                "signal": signal,
+                "tensor_path": "",
+                "mode": "train",
+                "grad_enabled": True,
+                "shape": [8, 4],
+                "dtype": "float32",
+                "metric": metric,
+                "value": value,
+                "unavailable_reason": "no finite entries" if value is None else None,
+            }
+            for name, item in row.items():
+                rows[name].append(item)
+        sink.write_history(pa.table(rows, schema=history_schema("ti-io tests")).to_batches()[0])
+    for batch in events:
+        sink.write_events(batch)
+    if finalize:
+        sink.close()
+    else:
+        sink.flush()
+        sink._flush_at_exit()  # what the interpreter-exit hook does: parts, no finalization
+    return directory

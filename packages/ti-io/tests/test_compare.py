@@ -11,82 +11,19 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _io_helpers import make_run
+from _io_helpers import NO_ROW, write_run
 
-from ti_io import DirectorySink, HistoryConfig
 from ti_io.cli import main
 from ti_io.read.compare import compare_runs, compare_series, open_runs, unshared
-from ti_schema import SCHEMA_VERSION, SchemaMismatchError, history_schema
+from ti_schema import SCHEMA_VERSION, SchemaMismatchError
 from ti_schema.layout import HISTORY_FILE
-
-START = datetime(2026, 1, 1, tzinfo=UTC)
-NO_ROW = object()
-"""A sample at which a run writes no row for a series (a gradient that did not arrive)."""
-
-Series = Mapping[tuple[str, str, str], Sequence[float | object | None]]
-"""(layer, signal, metric) -> the value at each sample id (None: a row with a null value)."""
-
-
-def write_run(
-    directory: Path,
-    series: Series,
-    *,
-    layers: Sequence[str] = ("fc1", "act", "fc2"),
-    window: int = 3,
-    finalize: bool = True,
-    first_sample: int = 0,
-) -> Path:
-    """A run directory written by DirectorySink holding exactly ``series``."""
-    run = make_run(tuple((name, "Linear") for name in layers))
-    sink = DirectorySink(directory, history_config=HistoryConfig(buffer_rows=64, window=window))
-    sink.open(run)
-    samples = max(len(v) for v in series.values())
-    for i in range(samples):
-        sample = first_sample + i
-        rows: dict[str, list[Any]] = {name: [] for name in history_schema().names}
-        for (layer, signal, metric), values in series.items():
-            if i >= len(values) or values[i] is NO_ROW:
-                continue
-            value = values[i]
-            row = {
-                "run_id": run.run_id,
-                "rank": 0,
-                "sample_id": sample,
-                "forward_index": 5 * sample,
-                "timestamp": START + timedelta(seconds=sample),
-                "layer": layer,
-                "module_type": "Linear",
-                "call_index": 0,
-                "signal": signal,
-                "tensor_path": "",
-                "mode": "train",
-                "grad_enabled": True,
-                "shape": [8, 4],
-                "dtype": "float32",
-                "metric": metric,
-                "value": value,
-                "unavailable_reason": "no finite entries" if value is None else None,
-            }
-            for name, item in row.items():
-                rows[name].append(item)
-        sink.write_history(pa.table(rows, schema=history_schema("ti-io tests")).to_batches()[0])
-    if finalize:
-        sink.close()
-    else:
-        sink.flush()
-        sink._flush_at_exit()  # what the interpreter-exit hook does: parts, no finalization
-    return directory
-
 
 SAMPLES = 10
 ONSET = 4

@@ -11,6 +11,7 @@ as for local files, and say in one line which URI they could not read.
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from pathlib import Path
 
 import polars as pl
@@ -100,6 +101,27 @@ def test_summary_validate_and_scan_read_the_store_as_the_disk(
     assert code == 0
     assert finalized in out
     assert "/tmp" not in out  # no local copy's path leaks into what ti prints
+
+
+def test_report_reads_the_store_and_names_the_uris(
+    runs: dict[str, tuple[Path, str]],
+    s3: S3Store,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    finalized, live = (uri for _, uri in runs.values())
+    before = len(s3.requests())
+    out = tmp_path / "report.html"
+    code, stdout, stderr = _cli(capsys, "report", finalized, live, "-o", str(out))
+    assert (code, stderr) == (0, "")
+    assert str(out) in stdout
+    assert [r for r in s3.requests()[before:] if r.is_write] == []
+    page = out.read_text(encoding="utf-8")
+    for uri in (finalized, live):
+        assert uri in page  # each run's location is its URI
+    assert str(Path(tempfile.gettempdir())) not in page  # no local copy's path
+    for layer in LAYERS:
+        assert layer[0] in page
 
 
 def test_a_flipped_bit_in_an_uploaded_part_is_named_by_its_uri(

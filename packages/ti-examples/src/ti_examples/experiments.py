@@ -10,10 +10,11 @@ import polars as pl
 
 from ti_examples.evidence import comparison_frame, evidence_table, onset_sample
 from ti_examples.plotting import plot_comparison
-from ti_examples.problems import PROBLEMS, VARIANTS, Problem, Variant
+from ti_examples.problems import DERIVED_METRICS, PROBLEMS, VARIANTS, Problem, Variant
 from ti_examples.training import ExperimentConfig, run_variant
 from ti_io import read_events
 from ti_io.read.events import describe_event
+from ti_io.report import write_report
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class ProblemResult:
     """The printed evidence table (see ``evidence.evidence_table``)."""
     plot: Path
     csv: Path
+    report: Path
+    """report.html: the three runs side by side (``ti report``), the panels' signals and
+    metrics as heat maps of every layer."""
     losses: dict[Variant, list[float]]
     events: tuple[str, ...] = ()
     """The broken run's flight-recorder events, one line each (problems with the sentinel)."""
@@ -48,7 +52,8 @@ def run_problem(
     *,
     on_run_done: Callable[[Problem, Variant], None] | None = None,
 ) -> ProblemResult:
-    """Train the three matched runs, then write comparison.csv and comparison.png."""
+    """Train the three matched runs, then write comparison.csv, comparison.png and
+    report.html."""
     directories = run_dirs(output_dir, problem)
     losses: dict[Variant, list[float]] = {}
     for variant, run_dir in directories.items():
@@ -71,6 +76,14 @@ def run_problem(
         sample_every=config.sample_every,
         path=problem_dir / "comparison.png",
     )
+    report = write_report(
+        {variant: str(path) for variant, path in directories.items()},
+        problem_dir / "report.html",
+        signals=sorted({panel.signal for panel in problem.panels}),
+        metrics=sorted(
+            {panel.metric for panel in problem.panels if panel.metric not in DERIVED_METRICS}
+        ),
+    )
     return ProblemResult(
         problem=problem,
         directory=problem_dir,
@@ -81,6 +94,7 @@ def run_problem(
         table=evidence_table(series),
         plot=plot,
         csv=csv_path,
+        report=report,
         losses=losses,
         events=_broken_events(problem, directories["broken"]),
     )
@@ -125,5 +139,5 @@ def describe(result: ProblemResult) -> str:
         f"fix:      {p.fix}\n"
         f"{recorder}"
         f"{table}\n"
-        f"plot: {result.plot}\ncsv:  {result.csv}"
+        f"plot: {result.plot}\ncsv:  {result.csv}\npage: {result.report}"
     )

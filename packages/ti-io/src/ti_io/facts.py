@@ -265,6 +265,32 @@ def recorded_settings(directory: Path) -> dict[str, str]:
     return found
 
 
+_INDEX_RUN_LINE: Final[re.Pattern[str]] = re.compile(
+    r"^(run_id|rank|producer|started_at|sampler|metrics):\s+(.+)$", re.M
+)
+
+
+def recorded_run_lines(directory: Path) -> dict[str, str]:
+    """What index.md's run block says of the run in ``directory`` (``run_id``, ``rank``,
+    ``producer``, ``started_at``, ``sampler``, ``metrics``), as printed with JSON quotes
+    removed: the facts a finalized run keeps once run.json is retired; empty without index.md."""
+    try:
+        text = (directory / INDEX_FILE).read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for key, value in _INDEX_RUN_LINE.findall(text):
+        if key in found:
+            continue
+        try:
+            items = json.loads(f"[{value}]")
+        except ValueError:
+            found[key] = value.strip()
+            continue
+        found[key] = ", ".join(str(item) for item in items)
+    return found
+
+
 def started_at_text(value: str | None) -> str:
     """ISO timestamp as written, or 'unknown'."""
     if value is None:

@@ -1,5 +1,6 @@
-"""The ``ti`` command: ``ti summary``, ``ti compare``, ``ti validate``, ``ti consolidate``,
-``ti upgrade``, ``ti --version``, and the commands other packages add (``ti drift``, ti-dist's).
+"""The ``ti`` command: ``ti summary``, ``ti compare``, ``ti report``, ``ti validate``,
+``ti consolidate``, ``ti upgrade``, ``ti --version``, and the commands other packages add
+(``ti drift``, ti-dist's).
 
 One module per command registers its subparser (``add_parser``) and runs it (``run``); the
 answer itself is a public function of :mod:`ti_io.read` or :mod:`ti_io.finish`. Every command
@@ -25,13 +26,13 @@ from pathlib import PurePosixPath
 from types import ModuleType
 from typing import Final
 
-from ti_io.cli import compare, consolidate, summary, upgrade, validate
+from ti_io.cli import compare, consolidate, report, summary, upgrade, validate
 from ti_io.cli.remote import is_uri, remote_reads
 from ti_io.cli.status import PIPE_CLOSED, REFUSED, USAGE, UsageError, exit_codes_help
 from ti_io.cli.version import versions
 from ti_io.read.legacy_layout import check_not_legacy
 
-COMMANDS = (summary, compare, validate, consolidate, upgrade)
+COMMANDS = (summary, compare, report, validate, consolidate, upgrade)
 """The command modules, in ``ti --help`` order; each has ``add_parser`` and ``run``."""
 
 COMMANDS_GROUP: Final[str] = "ti.commands"

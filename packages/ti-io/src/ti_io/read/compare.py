@@ -70,15 +70,16 @@ class ComparedRun:
     """The window of its result.json window means (a run fact)."""
 
 
-def open_runs(runs: Runs) -> list[ComparedRun]:
+def open_runs(runs: Runs, *, minimum: int = 2) -> list[ComparedRun]:
     """Check and describe the runs to compare, in order (the first is the reference).
 
-    Raises ``ValueError`` for fewer than two runs or a run given twice, ``FileNotFoundError``
-    for a path that does not exist or a directory that holds no run (or holds ``rank-NNN``
-    runs: pass one rank's directory), ``ti_io.LegacyRunError`` for a torchinstruments 0.8.0
-    run and ``ti_schema.SchemaMismatchError`` for another contract major.
+    Raises ``ValueError`` for fewer than ``minimum`` runs or a run given twice,
+    ``FileNotFoundError`` for a path that does not exist or a directory that holds no run (or
+    holds ``rank-NNN`` runs: pass one rank's directory), ``ti_io.LegacyRunError`` for a
+    torchinstruments 0.8.0 run and ``ti_schema.SchemaMismatchError`` for another contract
+    major.
     """
-    labelled = _labelled(runs)
+    labelled = _labelled(runs, minimum)
     opened = []
     for label, path in labelled.items():
         directory = Path(path)
@@ -259,7 +260,7 @@ def unshared(table: pl.DataFrame) -> pl.DataFrame:
 # --- internals ----------------------------------------------------------------------------------
 
 
-def _labelled(runs: Runs) -> dict[str, RunPath]:
+def _labelled(runs: Runs, minimum: int) -> dict[str, RunPath]:
     if isinstance(runs, Mapping):
         labelled = dict(runs)
         for label in labelled:
@@ -279,8 +280,9 @@ def _labelled(runs: Runs) -> dict[str, RunPath]:
             )
             raise ValueError(f"runs names {twice} twice; pass each run once")
         labelled = dict(zip(_unique_labels([Path(p) for p in paths]), paths, strict=True))
-    if len(labelled) < 2:
-        raise ValueError(f"compare two or more runs, got {len(labelled)}")
+    if len(labelled) < minimum:
+        wanted = "two or more runs" if minimum == 2 else f"at least {minimum} run(s)"
+        raise ValueError(f"compare {wanted}, got {len(labelled)}")
     return labelled
 
 
