@@ -236,7 +236,7 @@ once."""
 
 MINIMUMS_IGNORE: Final[tuple[str, ...]] = (
     "packages/ti-core/tests/test_compiled.py",
-    "packages/ti-core/tests/test_compiled_torch_apis.py",
+    "packages/ti-core/tests/test_torch_apis.py",
 )
 """ti-core's torch.compile tests, left out of ``minimums``: their subject is Dynamo tracing our
 capture, and torch is at the same pin there as in ``tests(ti-core)``, which runs them; no floor

@@ -309,10 +309,10 @@ def test_single_process_run_is_unchanged() -> None:
 
 
 def test_the_private_store_accessor_exists() -> None:
-    """process_group_store relies on this name of the pinned torch."""
+    """ti_core._torch.default_store relies on this name of the pinned torch."""
     from torch.distributed import distributed_c10d
 
-    from ti_core.process_group_store import default_store
+    from ti_core._torch import default_store
 
     assert callable(distributed_c10d._get_default_store)
     assert default_store() is None  # no process group in this test

@@ -870,7 +870,7 @@ def test_decided_ahead_forwards_count_like_eager() -> None:
 
 def test_cuda_graphs_are_refused_with_a_clear_message() -> None:
     """CUDA graphs (``mode="reduce-overhead"``) replay without Python, and inductor cannot tell
-    ti-core's operators from kernels it may record (see test_compiled_torch_apis.py): refused
+    ti-core's operators from kernels it may record (see test_torch_apis.py): refused
     at attach for a compiled module, at the first trace for a module compiled after it was
     observed. On CPU the mode has no effect, so the refusal is checked here."""
     model = models.MLP(depth=1)

@@ -163,10 +163,11 @@ def write_run(
     finalize: bool = True,
     first_sample: int = 0,
     events: Sequence[pa.RecordBatch] = (),
+    metrics: tuple[str, ...] = DEFAULT_METRICS,
 ) -> Path:
     """A run directory written by DirectorySink holding exactly ``series`` (and ``events``);
     sample ``s`` is taken at root forward ``5 * s``."""
-    run = make_run(tuple((name, "Linear") for name in layers))
+    run = make_run(tuple((name, "Linear") for name in layers), metrics=metrics)
     sink = DirectorySink(directory, history_config=HistoryConfig(buffer_rows=64, window=window))
     sink.open(run)
     samples = max(len(v) for v in series.values())

@@ -28,6 +28,7 @@ from ti_io.read.history import history_files_of
 from ti_io.report import write_report
 from ti_io.report.figures import ColourScale, panel_figure, ratio_figure
 from ti_io.report.grid import read_grid
+from ti_schema import DEFAULT_METRICS
 from ti_schema.layout import HISTORY_FILE
 
 SAMPLES = 30
@@ -197,6 +198,23 @@ def test_nonfinite_fraction_is_drawn_once_a_value_is_not_zero(tmp_path: Path) ->
     series[("act", "output", "nonfinite_fraction")] = [0.0] * 20 + [0.25] * 10
     page = write_report(write_run(tmp_path / "a", series), tmp_path / "r.html").read_text()
     assert "output nonfinite_fraction" in page
+
+
+def test_precision_health_is_drawn_where_a_cast_would_lose_entries(tmp_path: Path) -> None:
+    """A run recording precision metrics (``precision=("bfloat16",)``): the heat map of a
+    format's fraction appears once any entry would underflow, and not while none would."""
+    formats = ("underflow_fraction.bfloat16", "overflow_fraction.bfloat16")
+    series = _series()
+    series[("fc2", "output_gradient", "underflow_fraction.bfloat16")] = [0.0] * 25 + [0.5] * 5
+    series[("fc2", "output_gradient", "overflow_fraction.bfloat16")] = [0.0] * SAMPLES
+    run = write_run(tmp_path / "bf16", series, metrics=(*DEFAULT_METRICS, *formats))
+    page = write_report(run, tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "<h2>output_gradient underflow_fraction.bfloat16</h2>" in page
+    assert "overflow_fraction.bfloat16</h2>" not in page
+    figure = _figure_json(page, "panel-2")
+    assert figure["layout"]["title"]["text"] == "output_gradient underflow_fraction.bfloat16"
+    values = _decoded(figure["data"][0]["customdata"])[0, :, 0]
+    np.testing.assert_array_equal(values, [0.0] * 25 + [0.5] * 5)
 
 
 def test_colour_scale_is_linear_within_20x_and_log_beyond() -> None:

@@ -39,8 +39,8 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any, Final, Protocol, cast
 
+from ti_core import _torch
 from ti_core.errors import TelemetryWarning
-from ti_core.process_group_store import default_store
 from ti_core.ranks import RankPolicy, RankSelection
 from ti_core.sampling import AheadSchedule, Sampler
 
@@ -159,7 +159,7 @@ class AlignedSampler:
         self._prefix = self._given_key or f"ti-sampling/{next(_RUNS)}"
         claim = f"{self._prefix}/leader"
         try:
-            store = self._given_store if self._given_store is not None else default_store()
+            store = self._given_store if self._given_store is not None else _torch.default_store()
             if store is None:
                 self._local = self.schedule
                 return LOCAL

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ti_core import _torch
 from ti_core.capture.context import in_backward
 from ti_core.capture.gradients import GradHook
 from ti_core.capture.sample import Sample
 from ti_core.capture.traced_calls import record_traced_call
-from ti_core.compiled import torch_private
 from ti_core.compiled.operators import TraceFlags
 from ti_core.compiled.sites import Sites
 from ti_core.errors import ErrorPolicy
@@ -97,15 +97,15 @@ class CompiledGate:
         if watched:
             slots.gradient_hooks = True
         path = self._sites.paths(site)[position]
-        trace = torch_private.current_compile_id()
+        trace = _torch.current_compile_id()
         return slots.traced_slot(trace, layer, path, torch.device(device))
 
     def sentinel_gradient_slot(self, layer: int, site: int, position: int, device: str) -> int:
         sentinel = self._sentinel
-        if sentinel is None or not torch_private.backward_writes_keep_versions():
+        if sentinel is None or not _torch.backward_writes_keep_versions():
             return -1
         path = self._sites.paths(site)[position]
-        trace = torch_private.current_compile_id()
+        trace = _torch.current_compile_id()
         return sentinel.gradient_slots.traced_slot(trace, layer, path, torch.device(device))
 
     def sentinel_gradient_check(self, layer: int, site: int, position: int) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
+from ti_core import _torch
 from ti_core.capture.sharding import is_sharded, measurable, placements_suffix, shape_of
 from ti_core.capture.snapshots import SnapshotPool
 from ti_core.entries import Entries, Entry
@@ -37,7 +38,7 @@ emission worker's bound on the snapshot bytes it holds queued."""
 def tensor_version(tensor: torch.Tensor) -> int | None:
     """The version counter of ``tensor`` (bumped by in-place writes); None for inference tensors."""
     try:
-        return int(tensor._version)
+        return _torch.version(tensor)
     except RuntimeError:  # inference tensors have no version counter
         return None
 

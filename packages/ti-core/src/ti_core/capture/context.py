@@ -6,7 +6,7 @@ import sys
 import time
 from types import CodeType
 
-import torch
+from ti_core import _torch
 
 _CHECKPOINT_CODES: tuple[CodeType, ...]
 try:
@@ -29,7 +29,7 @@ def in_backward() -> bool:
 
     Module calls seen then are recomputations (activation checkpointing), not new forwards.
     """
-    return bool(torch._C._current_graph_task_id() != -1)
+    return _torch.current_graph_task_id() != -1
 
 
 def in_reentrant_checkpoint() -> bool:

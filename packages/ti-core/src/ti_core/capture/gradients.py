@@ -23,6 +23,7 @@ from typing import Final, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ti_core import _torch
 from ti_core.capture.batch import Row, TensorBatch
 from ti_core.capture.context import now_us
 from ti_core.capture.ended import EndedSignal, SignalTarget
@@ -144,7 +145,7 @@ class GradientState:
                         self.batch = target.new_batch()
                     self.batch.add_derived(grad, self.entries, fresh, now_us())
                 if not self.queued:
-                    torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+                    _torch.queue_callback(self.flush)
                     self.queued = True
         except Exception as error:
             target.errors.handle(stage_of("output_gradient", "capture"), error)

@@ -22,11 +22,11 @@ import sys
 import weakref
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
-import torch
 from torch import nn
 
+from ti_core import _torch
 from ti_core.compiled import traced
 from ti_core.compiled.traced import is_compiling
 
@@ -67,14 +67,6 @@ class CaptureTarget(Protocol):
         ...
 
 
-_HOOK_DICTS: Final[tuple[str, ...]] = ("_forward_pre_hooks", "_forward_hooks")
-_HOOK_ID_SETS: Final[tuple[str, ...]] = (
-    "_forward_hooks_always_called",
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks_with_kwargs",
-)
-
-
 def _inert(*args: object, **kwargs: object) -> None:
     """What a copied hook becomes: returns None, and on a module call removes its kind."""
     if args and isinstance(args[0], nn.Module):
@@ -103,20 +95,20 @@ def _copied_forward(module: nn.Module, previous: Callable[..., Any] | None) -> C
 
 def scrub_copied_hooks(module: nn.Module) -> None:
     """Remove what a copy of an observed module inherited (inert hooks, passthrough forward)."""
-    for dict_name in _HOOK_DICTS:
+    for dict_name in _torch.HOOK_DICTS:
         hooks = module.__dict__.get(dict_name)
         if not hooks:
             continue
         for key in [k for k, v in hooks.items() if v is _inert]:
             del hooks[key]
-            for set_name in _HOOK_ID_SETS:
+            for set_name in _torch.HOOK_ID_SETS:
                 ids = module.__dict__.get(set_name)
                 if isinstance(ids, dict):
                     ids.pop(key, None)
     if isinstance(module.__dict__.get("forward"), PassthroughForward):
         del module.__dict__["forward"]
-    if isinstance(module.__dict__.get("_call_impl"), PassthroughCall):
-        del module.__dict__["_call_impl"]
+    if isinstance(module.__dict__.get(_torch.CALL_IMPL_ATTRIBUTE), PassthroughCall):
+        del module.__dict__[_torch.CALL_IMPL_ATTRIBUTE]
 
 
 class HookObject:
@@ -274,9 +266,6 @@ class RootForwardOverride(InstanceForward):
         return output
 
 
-_call_impl: Final[Callable[..., Any]] = nn.Module._call_impl
-
-
 class CallOverride(HookObject):
     """Instance-level ``_call_impl`` of a selected module: captures each call through
     ``module(...)`` once torch's own ``_call_impl`` (with the module's hooks) has returned.
@@ -305,7 +294,7 @@ class CallOverride(HookObject):
         module = self.module_ref()
         if module is None:  # pragma: no cover - the module owns this object through its __dict__
             raise ReferenceError("module of this call override is gone")
-        output = _call_impl(module, *args, **kwargs)
+        output = _torch.MODULE_CALL_IMPL(module, *args, **kwargs)
         if is_compiling():  # traced by Dynamo when an eager sample left it installed
             traced.call(self.key, self.layer, module, output)
         else:
@@ -327,22 +316,14 @@ class PassthroughCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         scrub_copied_hooks(self.module)
-        return _call_impl(self.module, *args, **kwargs)
+        return _torch.MODULE_CALL_IMPL(self.module, *args, **kwargs)
 
 
 def call_overridable(module: nn.Module) -> bool:
     """Whether a :class:`CallOverride` can capture ``module``'s calls: torch's own
     ``__call__``/``_call_impl`` (not overridden by its class or instance, not scripted) and no
     ``module.compile()`` of its own."""
-    cls = type(module)
-    return (
-        cls.__call__ is nn.Module.__call__
-        and cls._wrapped_call_impl is nn.Module._wrapped_call_impl
-        and cls._call_impl is nn.Module._call_impl
-        and "_call_impl" not in module.__dict__
-        and not isinstance(module, torch.jit.ScriptModule)
-        and getattr(module, "_compiled_call_impl", None) is None
-    )
+    return _torch.default_call_path(module)
 
 
 def install_call_override(
@@ -350,13 +331,13 @@ def install_call_override(
 ) -> Callable[[], None]:
     """Put a :class:`CallOverride` on ``module``; return the function that removes it."""
     override = CallOverride(target, layer, module)
-    module.__dict__["_call_impl"] = override
+    module.__dict__[_torch.CALL_IMPL_ATTRIBUTE] = override
     module_ref = weakref.ref(module)
 
     def remove() -> None:
         owner = module_ref()
-        if owner is not None and owner.__dict__.get("_call_impl") is override:
-            del owner.__dict__["_call_impl"]
+        if owner is not None and owner.__dict__.get(_torch.CALL_IMPL_ATTRIBUTE) is override:
+            del owner.__dict__[_torch.CALL_IMPL_ATTRIBUTE]
 
     return remove
 
@@ -365,8 +346,8 @@ def remove_call_overrides(root: nn.Module) -> None:
     """Remove every :class:`CallOverride` from the ``__dict__`` of ``root``'s modules (a
     ``DataParallel`` replica's copies, which would run the original modules)."""
     for module in root.modules():
-        if isinstance(module.__dict__.get("_call_impl"), CallOverride):
-            del module.__dict__["_call_impl"]
+        if isinstance(module.__dict__.get(_torch.CALL_IMPL_ATTRIBUTE), CallOverride):
+            del module.__dict__[_torch.CALL_IMPL_ATTRIBUTE]
 
 
 def install_forward_override(

@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import torch
 
+from ti_core import _torch
 from ti_core.capture.context import now_us
 from ti_core.capture.ended import EndedSignal, SignalTarget
 from ti_core.capture.hooks import HookObject
@@ -140,7 +141,7 @@ class GradientWatch:
                 tensor.register_hook(ReachedHook(self, layer))  # type: ignore[no-untyped-call]
 
     def reached(self, layer: int) -> None:
-        task = int(torch._C._current_graph_task_id())
+        task = _torch.current_graph_task_id()
         with self._lock:
             if self._done:
                 return
@@ -149,10 +150,10 @@ class GradientWatch:
             if task in self._tasks:
                 return
             self._tasks.add(task)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._queue_read(task))
+        _torch.queue_callback(lambda: self._queue_read(task))
 
     def accumulated(self, key: int) -> None:
-        task = int(torch._C._current_graph_task_id())
+        task = _torch.current_graph_task_id()
         with self._lock:
             if not self._done and task in self._tasks:
                 self._accumulated[task].add(key)
@@ -160,7 +161,7 @@ class GradientWatch:
     def _queue_read(self, task: int) -> None:
         # Callbacks queued while callbacks run go last: after DDP's and FSDP2's own, which were
         # queued earlier in this backward.
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._read(task))
+        _torch.queue_callback(lambda: self._read(task))
 
     def _read(self, task: int) -> None:
         with self._lock:

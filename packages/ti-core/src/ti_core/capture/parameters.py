@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ti_core import _torch
 from ti_core.capture.batch import TensorBatch
 from ti_core.capture.context import in_reentrant_checkpoint, now_us
 from ti_core.capture.ended import EndedSignal, SignalTarget
@@ -103,7 +104,7 @@ class ParameterCatalog:
         if attached is not None and held.sharded:
             return attached
         module = held.module()
-        current = None if module is None else module._parameters.get(held.attribute)
+        current = None if module is None else _torch.own_parameter(module, held.attribute)
         return attached if current is None else current
 
 

@@ -6,7 +6,7 @@ are that door. Each is a ``torch.library.custom_op`` in the ``ti`` namespace (bu
 ``torch.library.Library`` for a cheaper call), declared *effectful* (``EffectType.ORDERED``):
 without the declaration AOT autograd removes an operator whose result is unused as dead code;
 with it, the operator stays in the graph, in program order, threaded by an effect token
-(``test_compiled_torch_apis.py`` guards it). Each is tagged ``cudagraph_unsafe`` (a CUDA-graph
+(``test_torch_apis.py`` guards it). Each is tagged ``cudagraph_unsafe`` (a CUDA-graph
 replay runs no Python), though inductor 2.13 does not see the tag through the effect wrapper,
 which is why CUDA graphs are refused (:mod:`.traced`).
 
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import torch
 
-from ti_core.compiled.torch_private import EffectType
+from ti_core._torch import EffectType
 
 if TYPE_CHECKING:
     from ti_core.compiled.slots import FlagSlots

@@ -19,7 +19,7 @@ against the graph's is exact as well; the root's own output, checked last, needs
 
 Gradients get a :class:`FlagSlots` of their own, written by the backward graphs, only where
 inductor compiles them on a torch release verified to write them in its own kernels
-(``torch_private.backward_writes_keep_versions``). A tensor a backward graph writes is saved
+(``_torch.backward_writes_keep_versions``). A tensor a backward graph writes is saved
 for that backward, and autograd refuses a saved tensor whose version counter moved: real
 in-place kernels (``aot_eager``) bump it, so two forwards and then two backwards would break.
 There, and under other backends, the ``ti::check_grad`` operator checks each gradient. No

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ti_core.compiled.torch_private import optimized_config
+from ti_core._torch import optimized_config
 from ti_core.compiled.traced import CUDA_GRAPHS_REFUSED, cuda_graphs_requested
 from ti_core.selection import compiled_wrappers
 

@@ -27,7 +27,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor, is_grad_enabled, nn
 
-from ti_core.compiled import torch_private
+from ti_core import _torch
 from ti_core.compiled.operators import (
     FLAGS,
     LEAF,
@@ -73,11 +73,11 @@ def cuda_graphs_requested(config: Mapping[str, Any] | None) -> bool:
     return config is not None and bool(config.get("triton.cudagraphs"))
 
 
-@torch_private.assume_constant_result
+@_torch.assume_constant_result
 def _enter_compiled(key: int, ahead: bool) -> bool:
     """Trace time only (Dynamo calls it and folds the result into the graph): refuse CUDA
     graphs; the first trace of a hook switches its gate to compiled capture."""
-    if cuda_graphs_requested(torch_private.compiler_config()):
+    if cuda_graphs_requested(_torch.compiler_config()):
         raise ValueError(CUDA_GRAPHS_REFUSED)
     target = target_of(key)
     if target is not None:
@@ -85,14 +85,14 @@ def _enter_compiled(key: int, ahead: bool) -> bool:
     return True
 
 
-@torch_private.assume_constant_result
+@_torch.assume_constant_result
 def _site(key: int, paths: tuple[str, ...]) -> int:
     """Trace time only: the number under which ``paths`` travel to ``record_call``."""
     target = target_of(key)
     return -1 if target is None else target.intern_paths(paths)
 
 
-@torch_private.assume_constant_result
+@_torch.assume_constant_result
 def _slot(key: int, layer: int, site: int, position: int, device: str, watched: bool) -> int:
     """Trace time only: the sentinel's slot for this call's tensor at ``position`` of
     ``site`` in the graph being traced (-1: none, the ``check`` operator takes it);
@@ -103,7 +103,7 @@ def _slot(key: int, layer: int, site: int, position: int, device: str, watched: 
     return target.sentinel_slot(layer, site, position, device, watched)
 
 
-@torch_private.assume_constant_result
+@_torch.assume_constant_result
 def _gradient_slot(key: int, layer: int, site: int, position: int, device: str) -> int:
     """Trace time only: the sentinel's gradient slot for the gradient flowing into the tensor
     at ``position`` of ``site`` (-1: none, ``check_grad`` takes it)."""
@@ -113,7 +113,7 @@ def _gradient_slot(key: int, layer: int, site: int, position: int, device: str) 
     return target.sentinel_gradient_slot(layer, site, position, device)
 
 
-@torch_private.assume_constant_result
+@_torch.assume_constant_result
 def _gradient_check(key: int, layer: int, site: int, position: int) -> int:
     """Trace time: the number under which the gradient check of the tensor at ``position``
     of ``site`` travels to ``check_grad`` (-1: no sentinel)."""
@@ -121,7 +121,7 @@ def _gradient_check(key: int, layer: int, site: int, position: int) -> int:
     return -1 if target is None else target.sentinel_gradient_check(layer, site, position)
 
 
-@torch_private.assume_constant_result
+@_torch.assume_constant_result
 def _counter(key: int, device: str) -> bool:
     """Trace time only: whether a check without a slot can read the slots' counter on
     ``device`` (made there if there are none yet)."""
@@ -129,12 +129,12 @@ def _counter(key: int, device: str) -> bool:
     return target is not None and target.sentinel_counter(device)
 
 
-@torch_private.assume_constant_result
+@_torch.assume_constant_result
 def _nested() -> bool:
     """Trace time only: inside a higher-order region (activation checkpointing) of the graph,
     where a ticket cannot be saved for backward (AOT autograd cannot save an effectful
     operator's result there), so gradients are not captured."""
-    return torch_private.in_nested_region()
+    return _torch.in_nested_region()
 
 
 # ----------------------------------------------------------------------------- the output walk
@@ -342,7 +342,7 @@ def run_hooks_eagerly_as_frames(*functions: Callable[..., Any]) -> bool:
     ``torch.compile``); where Dynamo inlines them they are still traced. Returns False when
     this torch has no such setting (then such hooks are compiled as frames of their own, and the
     root's take the decide-ahead path)."""
-    return all([torch_private.skip_frames(function) for function in functions])
+    return all([_torch.skip_frames(function) for function in functions])
 
 
 __all__ = [

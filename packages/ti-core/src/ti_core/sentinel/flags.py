@@ -29,6 +29,7 @@ from typing import Final
 import torch
 from torch import Tensor
 
+from ti_core import _torch
 from ti_core.capture.sharding import is_sharded, local_tensor
 from ti_core.compiled.slots import Flagged, can_be_nonfinite, real_view
 
@@ -211,7 +212,7 @@ class Flags:
         if not kept:
             return
         dtype = torch.float32 if kept[0][1].dtype in _HALF else None
-        norms = torch._foreach_norm([values for _, values in kept], 2.0, dtype=dtype)
+        norms = _torch.foreach_norm([values for _, values in kept], 2.0, dtype)
         for ((layer, path, _), values), norm in zip(kept, norms, strict=True):
             entry = len(self.entries)
             self.entries.append((layer, path))

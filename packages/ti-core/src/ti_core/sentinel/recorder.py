@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from ti_core import _torch
 from ti_core.capture.context import now_us
 from ti_core.capture.paths import tensor_leaves
 from ti_core.compiled.slots import FlagSlots, Keyed, PendingSlots, merge
@@ -694,7 +695,7 @@ class _GradientFlush:
     def _queue(self) -> None:
         if not self.queued:
             self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            _torch.queue_callback(self.flush)
 
     def flush(self) -> None:
         recorder = self.recorder()

@@ -39,6 +39,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor, nn
 
+from ti_core import _torch
 from ti_core.capture.paths import tensor_leaves
 from ti_core.sentinel.flags import real_values
 from ti_schema import ReplayVerdict
@@ -84,7 +85,7 @@ class StepRecord:
         tensors = args if self.plain else tuple(t for _, t in tensor_leaves((args, self.kwargs)))
         self.tensors: tuple[Tensor, ...] = tensors
         # (an inference tensor keeps no version counter: changed in place or not, unknown)
-        self.versions = [-1 if t.is_inference() else t._version for t in tensors]
+        self.versions = [-1 if t.is_inference() else _torch.version(t) for t in tensors]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng: tuple[tuple[int, Tensor], ...] = ()
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -123,11 +124,11 @@ class StepRecord:
     def why_not_replayable(self) -> str | None:
         """Why this step cannot be re-run as it ran (None: it can)."""
         for tensor, version in zip(self.tensors, self.versions, strict=True):
-            if version >= 0 and tensor._version != version:
+            if version >= 0 and _torch.version(tensor) != version:
                 where = next((w for w, t in self._paths() if t is tensor), "?")
                 return (
                     f"the argument {where} was changed in place since the forward started (its "
-                    f"version counter moved from {version} to {tensor._version}): the value "
+                    f"version counter moved from {version} to {_torch.version(tensor)}): the value "
                     "the step ran on is gone"
                 )
         for item in (*self.args, *self.kwargs.values()):
@@ -139,11 +140,8 @@ class StepRecord:
         return None
 
 
-_any_autocast: Final = torch._C._is_any_autocast_enabled
-
-
 def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    if not _any_autocast():
+    if not _torch.any_autocast_enabled():
         return ()
     return tuple(
         (device, torch.get_autocast_dtype(device))

@@ -16,12 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import torch
 from torch import Tensor
 
+from ti_core import _torch
 from ti_core.sentinel.replay import StepRecord
-
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 class RootForward(Protocol):
@@ -72,7 +70,7 @@ class RootGradient:
             step.output_grads[self.position] = grad
         if not forward.ending:
             forward.ending = True
-            _queue_callback(BackwardEnd(self.recorder, forward).first)
+            _torch.queue_callback(BackwardEnd(self.recorder, forward).first)
 
 
 class BackwardEnd:
@@ -87,7 +85,7 @@ class BackwardEnd:
     def first(self) -> None:
         """Queued when the backward reached the root's output: queue the check behind the
         callbacks queued since (the reductions across ranks that fill ``.grad``)."""
-        _queue_callback(self.last)
+        _torch.queue_callback(self.last)
 
     def last(self) -> None:
         forward = self.forward

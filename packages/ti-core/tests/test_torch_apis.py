@@ -2,7 +2,7 @@
 
 torch is pinned (constraints/torch.txt). When an upgrade moves or changes one of these, its test
 fails with a message naming the API and what in ti-core depends on it
-(``ti_core/compiled/torch_private.py`` holds every such use). Backends are the cheapest that
+(``ti_core/_torch.py`` holds every such use). Backends are the cheapest that
 show the behaviour; inductor where only code generation shows it.
 """
 
@@ -19,7 +19,8 @@ from torch import fx, nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
-from ti_core.compiled import operators, torch_private
+from ti_core import _torch
+from ti_core.compiled import operators
 from ti_core.compiled.operators import TICKET_STATE
 from ti_core.compiled.slots import flag_into
 
@@ -90,13 +91,13 @@ def test_assume_constant_result_runs_once_per_trace_and_folds_the_result() -> No
     def marked(fn: Any) -> Any:
         return fn
 
-    mine = torch_private.assume_constant_result(marked)
+    mine = _torch.assume_constant_result(marked)
     assert vars(mine) == vars(torch._dynamo.assume_constant_result(lambda: None)), (
         "torch._dynamo.assume_constant_result marks functions differently now: "
-        "ti_core.compiled.torch_private.assume_constant_result copies its marker"
+        "ti_core._torch.assume_constant_result copies its marker"
     )
 
-    @torch_private.assume_constant_result
+    @_torch.assume_constant_result
     def note(n: int, s: str) -> int:
         seen.append((n, s))
         return n + 1
@@ -127,9 +128,9 @@ def test_frame_skip_strategy_runs_a_hook_frame_eagerly() -> None:
         def __call__(self, module: nn.Module, args: Any) -> None:
             inside.append(torch.compiler.is_compiling())
 
-    assert torch_private.skip_frames(Skipped.__call__), (
+    assert _torch.skip_frames(Skipped.__call__), (
         "torch._C._dynamo.eval_frame.set_code_exec_strategy / _FrameAction / "
-        "_FrameExecStrategy moved: ti_core.compiled.torch_private.skip_frames cannot skip frames"
+        "_FrameExecStrategy moved: ti_core._torch.skip_frames cannot skip frames"
     )
     import torch._dynamo.eval_frame
     import torch._dynamo.types
@@ -137,7 +138,7 @@ def test_frame_skip_strategy_runs_a_hook_frame_eagerly() -> None:
 
     moved = (
         "torch._dynamo's set_code_exec_strategy / FrameAction / FrameExecStrategy are no longer "
-        "torch._C._dynamo.eval_frame's: ti_core.compiled.torch_private.skip_frames uses the latter"
+        "torch._C._dynamo.eval_frame's: ti_core._torch.skip_frames uses the latter"
     )
     ours = torch._dynamo.eval_frame.set_code_exec_strategy
     assert ours is c_eval_frame.set_code_exec_strategy, moved
@@ -183,7 +184,7 @@ def test_a_gradient_hook_traced_into_the_graph_gets_its_ticket_and_every_use() -
         return ticket
 
     make_ticket.register_fake(lambda x: torch.empty(1, dtype=torch.int64))
-    make_ticket.register_effect(torch_private.EffectType.ORDERED)
+    make_ticket.register_effect(_torch.EffectType.ORDERED)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         h = x * 2
@@ -209,9 +210,9 @@ def test_compiler_config_of_the_compile_being_traced_and_of_a_compiled_module() 
     which it refuses."""
     seen: list[Any] = []
 
-    @torch_private.assume_constant_result
+    @_torch.assume_constant_result
     def look() -> bool:
-        config = torch_private.compiler_config()
+        config = _torch.compiler_config()
         seen.append(None if config is None else config.get("triton.cudagraphs"))
         return True
 
@@ -231,7 +232,7 @@ def test_compiler_config_of_the_compile_being_traced_and_of_a_compiled_module() 
         torch.compile(fn, fullgraph=True, **options)(torch.ones(2))
         message = f"Dynamo no longer exposes the compile options being traced ({options})"
         assert seen == [want], message
-        config = torch_private.optimized_config(torch.compile(model, fullgraph=True, **options))
+        config = _torch.optimized_config(torch.compile(model, fullgraph=True, **options))
         got = None if config is None else config.get("triton.cudagraphs")
         assert got == want, f"an OptimizedModule no longer leads to its compile options ({options})"
 
@@ -241,9 +242,9 @@ def test_a_nested_region_is_seen_at_trace_time() -> None:
     ``torch.utils.checkpoint`` (a higher-order region), where ti-core does not tap gradients."""
     seen: list[bool] = []
 
-    @torch_private.assume_constant_result
+    @_torch.assume_constant_result
     def look() -> bool:
-        seen.append(torch_private.in_nested_region())
+        seen.append(_torch.in_nested_region())
         return True
 
     def body(x: torch.Tensor) -> torch.Tensor:
@@ -346,7 +347,7 @@ def test_dynamo_guards_on_a_flag_read_through_a_module_dict() -> None:
 
 
 def test_compile_ids_tell_graphs_apart_and_a_graph_writes_a_global_tensor_back() -> None:
-    """``torch._guards.CompileContext.current_compile_id`` (``torch_private``): one value
+    """``torch._guards.CompileContext.current_compile_id`` (``ti_core._torch``): one value
     while one graph is traced (also when Dynamo traces it again after a graph break), another
     for the next graph; the sentinel's
     slots (``ti_core.compiled.slots``) number each call per graph by it. And a compiled graph
@@ -355,9 +356,9 @@ def test_compile_ids_tell_graphs_apart_and_a_graph_writes_a_global_tensor_back()
     for backward (a second forward before the backward does not break it)."""
     ids: list[object] = []
 
-    @torch_private.assume_constant_result
+    @_torch.assume_constant_result
     def note() -> int:
-        ids.append(torch_private.current_compile_id())
+        ids.append(_torch.current_compile_id())
         return 0
 
     class Box:
@@ -370,7 +371,7 @@ def test_compile_ids_tell_graphs_apart_and_a_graph_writes_a_global_tensor_back()
         seen.append(values[0].tolist())
 
     look.register_fake(lambda values: None)
-    look.register_effect(torch_private.EffectType.ORDERED)  # type: ignore[attr-defined]
+    look.register_effect(_torch.EffectType.ORDERED)  # type: ignore[attr-defined]
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         note()
@@ -403,13 +404,13 @@ def test_inductor_backward_writes_a_global_tensor_without_bumping_its_version() 
     kernels, so the tensor's version counter stays, and autograd still accepts it as saved for
     the backward of an earlier forward (two forwards, then two backwards). ``aot_eager`` runs
     real in-place kernels and bumps it, so autograd refuses that pattern. The sentinel's
-    gradient slots (``torch_private.backward_writes_keep_versions``) rely on the difference, and
+    gradient slots (``_torch.backward_writes_keep_versions``) rely on the difference, and
     are used only where it holds."""
     seen: list[bool] = []
 
-    @torch_private.assume_constant_result
+    @_torch.assume_constant_result
     def look() -> bool:
-        seen.append(torch_private.backward_writes_keep_versions())
+        seen.append(_torch.backward_writes_keep_versions())
         return True
 
     class Box:
@@ -443,7 +444,7 @@ def test_inductor_backward_writes_a_global_tensor_without_bumping_its_version() 
     versions = (Box.slots._version, Box.sequence._version)
     train("inductor")
     assert seen == [True], (
-        "torch_private.backward_writes_keep_versions no longer sees inductor on this torch"
+        "_torch.backward_writes_keep_versions no longer sees inductor on this torch"
     )
     assert (Box.slots._version, Box.sequence._version) == versions, (
         "inductor's backward now bumps the version of a global tensor it writes: the "
