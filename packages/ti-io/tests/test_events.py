@@ -20,7 +20,6 @@ from _io_helpers import Synth, make_run
 from ti_io import DirectorySink, consolidate, read_events, scan_events
 from ti_io.cli import main
 from ti_io.finish.journal import FinalizationState, read_journal
-from ti_io.read.events import first_event_index
 from ti_schema import (
     EVENT_COLUMNS,
     RESULT_JSON_SCHEMA,
@@ -402,16 +401,3 @@ def test_events_of_contract_1_4_read_with_null_replay_columns(tmp_path: Path) ->
     assert (fresh["replay"], fresh["replay_reason"]) == ("reproduced", "made by encoder.1")
     assert "replay reproduced (made by encoder.1)" in describe_event(fresh)
     validate_events(old, metadata=old.schema.metadata)
-
-
-def test_first_event_index_puts_a_nan_from_another_rank_after_its_origin() -> None:
-    table = pa.Table.from_batches(
-        [
-            event_batch(0, rank=0, forward_index=8, seconds=1.0, replay="from_another_rank"),
-            event_batch(0, rank=1, forward_index=8, seconds=4.0, replay="reproduced"),
-            event_batch(1, rank=0, forward_index=3, seconds=9.0, kind="manual"),
-        ]
-    )
-    assert first_event_index(table) == 2  # forward 3 first, whatever its kind
-    assert first_event_index(table.slice(0, 2)) == 1  # the origin, though its clock is later
-    assert first_event_index(table.slice(0, 0)) is None

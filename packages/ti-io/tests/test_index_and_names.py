@@ -12,7 +12,7 @@ import pytest
 from _io_helpers import PRODUCER, START, Synth, make_run
 
 from ti_io import DirectorySink, HistoryConfig
-from ti_io.finish.index_md import md_escape
+from ti_io.finish.markdown import md_escape
 from ti_schema import (
     DEFAULT_METRICS,
     METRIC_DEFINITIONS,

@@ -15,8 +15,6 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Final
 
-import pyarrow.fs as pafs
-
 from ti_io.publishing import EVENTS
 from ti_io.storage import RunLocation, delete_files, download, list_files, list_names
 from ti_schema.layout import (
@@ -130,14 +128,8 @@ def relative(location: RunLocation, path: str) -> str:
     return path[len(prefix) :]
 
 
-def file_type(location: RunLocation) -> pafs.FileType:
-    """What is at ``location`` (File, Directory for a prefix with objects, NotFound)."""
-    return location.filesystem.get_file_info(location.path).type
-
-
 __all__ = [
     "PARTS_DIRS",
-    "file_type",
     "part_paths",
     "present_objects",
     "relative",

@@ -1,29 +1,28 @@
 """index.md: what a run measured and how to query it, for a person or an LLM new to the project.
 
-Module names are arbitrary strings (``/``, ``..``, newlines, Markdown, HTML). They never appear
-in Markdown prose: only inside fenced code blocks, and there as JSON string literals with
-non-ASCII and ``<>&`` escaped (:func:`literal`), which are also valid Python literals. A
-literal never contains a newline or starts a line, so it cannot close a fence or inject
-markup. Other variable text in prose goes through :func:`md_escape`.
+``render`` composes the page one section per function (status, events, run, files, how it was
+measured, result.json and layers, unavailable values, queries); ``write_index`` publishes it.
+Every text that comes from a run goes through :mod:`ti_io.finish.markdown` (JSON literals in
+code blocks, escaped prose); the queries are :mod:`ti_io.finish.index_queries`'.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 from ti_io.damaged import DAMAGED_DIR, SKIPPED_FILE, gap_lines
 from ti_io.facts import RunFacts, started_at_text
+from ti_io.finish.index_queries import EVENTS_LISTED, event_queries, queries
+from ti_io.finish.markdown import columns_table, fence, literal, md_escape
 from ti_io.publishing import publish_text
 from ti_io.storage import RunLocation
 from ti_schema import (
     METRIC_DEFINITIONS,
-    PRECISION_FORMATS,
     SCHEMA_VERSION,
     SIGNAL_DEFINITIONS,
     declared_metric,
@@ -31,27 +30,6 @@ from ti_schema import (
     histogram_schema,
     history_schema,
 )
-
-_MD_SPECIAL: Final[re.Pattern[str]] = re.compile(
-    r"([\\`*\[\]<>|~&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))"
-)
-
-
-def md_escape(text: str) -> str:
-    """``text`` safe inside a Markdown table cell: one line; characters that could start
-    markup there (code, emphasis, links, HTML, entities, cell breaks) backslash-escaped."""
-    return _MD_SPECIAL.sub(r"\\\1", " ".join(text.splitlines()))
-
-
-def literal(text: str) -> str:
-    """A one-line JSON (and Python) string literal of ``text``: ASCII only, and ``<``, ``>``,
-    ``&`` escaped too, so no HTML survives even where the Markdown is not rendered as such."""
-    return (
-        json.dumps(text, ensure_ascii=True)
-        .replace("<", "\\u003c")
-        .replace(">", "\\u003e")
-        .replace("&", "\\u0026")
-    )
 
 
 @dataclass(frozen=True)
@@ -90,28 +68,6 @@ def cost_line(facts: RunFacts) -> str:
     )
 
 
-def _fence(lines: Sequence[str], info: str = "text") -> list[str]:
-    return [f"```{info}", *lines, "```", ""]
-
-
-def _columns_table(schema_name: str, schema: object) -> list[str]:
-    import pyarrow as pa
-
-    assert isinstance(schema, pa.Schema)
-    out = [
-        f"Columns of `{schema_name}`:",
-        "",
-        "| column | Arrow type | nullable | meaning |",
-        "|---|---|---|---|",
-    ]
-    for f in schema:
-        doc = (f.metadata or {}).get(b"doc", b"").decode()
-        out.append(
-            f"| `{f.name}` | `{f.type}` | {'yes' if f.nullable else 'no'} | {md_escape(doc)} |"
-        )
-    return [*out, ""]
-
-
 def _layer_block(facts: RunFacts, data: HistoryFacts | None) -> list[str]:
     focus = set(facts.focus_layers)
     names = [info.name for info in facts.layers]
@@ -133,181 +89,9 @@ def _layer_block(facts: RunFacts, data: HistoryFacts | None) -> list[str]:
             )
         )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return _fence(
+    return fence(
         ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     )
-
-
-def _example_layers(facts: RunFacts, data: HistoryFacts | None) -> tuple[str, list[str]]:
-    executed = [i.name for i in facts.layers if data and data.layer_rows.get(i.name, (0, 0))[0]]
-    focus = list(facts.focus_layers)
-    first = (focus or executed or [i.name for i in facts.layers] or ["encoder.0"])[0]
-    compare = (focus or executed or [first])[:3]
-    return first, compare
-
-
-def _queries(directory: Path | str, facts: RunFacts, data: HistoryFacts | None) -> list[str]:
-    layer, compare = _example_layers(facts, data)
-    metric = "std" if "std" in facts.metrics or not facts.metrics else facts.metrics[0]
-    formats = [f for f in PRECISION_FORMATS if f"underflow_fraction.{f}" in facts.metrics]
-    fmt = formats[0] if formats else "float8_e4m3fn"
-    run_dir = literal(str(directory))
-    code = [
-        "import json",
-        "from pathlib import Path",
-        "",
-        "import polars as pl",
-        "",
-        f"RUN = Path({run_dir})  # this directory; change it if the run was moved",
-        'history = pl.scan_parquet(RUN / "history.parquet")',
-        "",
-        "# One metric of one layer over time (always order by sample_id).",
-        "trend = (",
-        "    history.filter(",
-        f'        (pl.col("layer") == {literal(layer)})',
-        '        & (pl.col("signal") == "output")',
-        f'        & (pl.col("metric") == {literal(metric)})',
-        "    )",
-        '    .select("sample_id", "timestamp", "call_index", "tensor_path", "value")',
-        '    .sort("sample_id")',
-        "    .collect()",
-        ")",
-        "",
-        "# Latest value of every metric, per layer / call / signal / tensor path.",
-        "latest = (",
-        '    history.sort("sample_id")',
-        '    .group_by("layer", "call_index", "signal", "tensor_path", "metric")',
-        '    .agg(pl.col("sample_id").last(), pl.col("value").last())',
-        '    .sort("layer", "call_index", "signal", "tensor_path", "metric")',
-        "    .collect()",
-        ")",
-        "",
-        "# Side by side: the mean of each sample's metric for a few layers.",
-        "side_by_side = (",
-        "    history.filter(",
-        f'        pl.col("layer").is_in([{", ".join(literal(n) for n in compare)}])',
-        f'        & (pl.col("metric") == {literal(metric)})',
-        "    )",
-        '    .group_by("layer", "signal")',
-        '    .agg(pl.col("value").mean().alias("mean_over_samples"), pl.len().alias("rows"))',
-        '    .sort("layer", "signal")',
-        "    .collect()",
-        ")",
-        "",
-        "# Why values are missing.",
-        "missing = (",
-        '    history.filter(pl.col("value").is_null())',
-        '    .group_by("layer", "signal", "metric", "unavailable_reason")',
-        '    .agg(pl.len().alias("rows"))',
-        '    .sort("rows", descending=True)',
-        "    .collect()",
-        ")",
-        "",
-        "# Aggregates of one layer from result.json.",
-        'records = json.loads((RUN / "result.json").read_text(encoding="utf-8"))',
-        f'record = next(r for r in records if r["layer"] == {literal(layer)})',
-        "",
-        "# Histograms of the focus layers, without TensorBoard.",
-        'histograms = pl.scan_parquet(RUN / "histograms.parquet")',
-        "",
-        "",
-        "# Parameters (recorded when the observer was given",
-        '# signals=[..., "parameter", "parameter_update"]; empty frames otherwise).',
-        "# The L2 norm of a tensor from its mean, std and shape: over its n finite entries,",
-        "# sum(x**2) = n * (std**2 + mean**2), so ||x||_2 = sqrt(n * (std**2 + mean**2)),",
-        "# n = prod(shape) * (1 - nonfinite_fraction).",
-        "def l2_norm(signal):",
-        "    return (",
-        '        history.filter(pl.col("signal") == signal)',
-        '        .group_by("layer", "tensor_path", "sample_id")',
-        "        .agg(",
-        '            pl.col("value").filter(pl.col("metric") == "mean").first().alias("mean"),',
-        '            pl.col("value").filter(pl.col("metric") == "std").first().alias("std"),',
-        '            pl.col("value")',
-        '            .filter(pl.col("metric") == "nonfinite_fraction")',
-        "            .first()",
-        '            .alias("nonfinite"),',
-        '            pl.col("shape")',
-        "            .first()",
-        "            .list.eval(pl.element().product())",
-        "            .list.first()",
-        '            .alias("numel"),',
-        "        )",
-        "        .with_columns(",
-        "            norm=(",
-        '                pl.col("numel")',
-        '                * (1 - pl.col("nonfinite"))',
-        '                * (pl.col("std") ** 2 + pl.col("mean") ** 2)',
-        "            ).sqrt()",
-        "        )",
-        "    )",
-        "",
-        "",
-        "# Weight norm per layer and parameter over time.",
-        "weight_norm = (",
-        '    l2_norm("parameter")',
-        '    .select("layer", "tensor_path", "sample_id", "norm")',
-        '    .sort("layer", "tensor_path", "sample_id")',
-        "    .collect()",
-        ")",
-        "",
-        "# Update-to-weight ratio per layer and parameter over time: how far each optimizer",
-        "# step moved the parameter, relative to its size (the learning-rate diagnostic).",
-        "update_to_weight = (",
-        '    l2_norm("parameter_update")',
-        '    .join(l2_norm("parameter"), on=["layer", "tensor_path", "sample_id"], suffix="_w")',
-        "    .select(",
-        '        "layer",',
-        '        "tensor_path",',
-        '        "sample_id",',
-        '        (pl.col("norm") / pl.col("norm_w")).alias("update_to_weight"),',
-        "    )",
-        '    .sort("layer", "tensor_path", "sample_id")',
-        "    .collect()",
-        ")",
-        "",
-        "# Low precision (recorded when the observer was given precision=(...); an empty",
-        "# frame otherwise): amax and dynamic range of each tensor, derived from min, max and",
-        "# min_abs_nonzero (amax = max(|min|, |max|), dynamic range = amax / min_abs_nonzero,",
-        f"# log2 of it in binades), beside what a cast to {fmt} would lose.",
-        "def value_of(metric):",
-        '    return pl.col("value").filter(pl.col("metric") == metric).first()',
-        "",
-        "",
-        "low_precision = (",
-        "    history.group_by(",
-        '        "layer", "call_index", "signal", "tensor_path", "sample_id", maintain_order=True',
-        "    )",
-        "    .agg(",
-        *(
-            f"        value_of({literal(name)}).alias({literal(alias)}),"
-            for name, alias in (
-                ("min", "min"),
-                ("max", "max"),
-                ("min_abs_nonzero", "min_abs_nonzero"),
-                (f"underflow_fraction.{fmt}", "underflow"),
-                (f"overflow_fraction.{fmt}", "overflow"),
-            )
-        ),
-        "    )",
-        '    .filter(pl.col("min_abs_nonzero").is_not_null())',
-        '    .with_columns(amax=pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()))',
-        "    .with_columns(",
-        '        dynamic_range=pl.col("amax") / pl.col("min_abs_nonzero"),',
-        '        binades=(pl.col("amax") / pl.col("min_abs_nonzero")).log(2),',
-        "    )",
-        '    .sort("layer", "call_index", "signal", "tensor_path", "sample_id")',
-        "    .collect()",
-        ")",
-        "",
-        "# While the run is live (before removal), read the published parts instead:",
-        "# from ti_io import scan_history; live = scan_history(RUN)",
-    ]
-    return _fence(_for_location(directory, code), "python")
-
-
-EVENTS_LISTED: Final[int] = 20
-"""Events index.md describes one by one (with their queries); the rest are counted."""
 
 
 def _event_lines(index: int, event: Mapping[str, Any]) -> list[str]:
@@ -341,47 +125,6 @@ def _event_lines(index: int, event: Mapping[str, Any]) -> list[str]:
     )
     lines.append(f"    dense capture: {dense}")
     return lines
-
-
-def _event_queries(directory: Path | str, events: Sequence[Mapping[str, Any]]) -> list[str]:
-    code = [
-        "import polars as pl",
-        "from pathlib import Path",
-        "",
-        f"RUN = Path({literal(str(directory))})  # this directory; change it if the run was moved",
-        'history = pl.scan_parquet(RUN / "history.parquet")',
-        'events = pl.read_parquet(RUN / "events.parquet")  # every event, one row each',
-    ]
-    for index, event in enumerate(events[:EVENTS_LISTED]):
-        first, count = int(event["dense_first_forward"]), int(event["dense_forwards"])
-        code += [
-            "",
-            f"# Event #{index} ({event['kind']} at forward {event['forward_index']}): the history "
-            "rows of its dense capture.",
-            f"dense_{index} = (",
-            "    history.filter(",
-            f'        (pl.col("rank") == {int(event["rank"])})',
-            f'        & pl.col("forward_index").is_between({first}, {first + count - 1})',
-            "    )",
-            '    .sort("sample_id", "layer", "call_index", "signal", "tensor_path", "metric")',
-            "    .collect()",
-            ")",
-        ]
-        if event.get("layer") is not None:
-            code += [
-                "# ... and the non-finite fraction of the first flagged module around it.",
-                f"first_module_{index} = (",
-                "    history.filter(",
-                f'        (pl.col("rank") == {int(event["rank"])})',
-                f'        & (pl.col("layer") == {literal(str(event["layer"]))})',
-                '        & (pl.col("metric") == "nonfinite_fraction")',
-                "    )",
-                '    .select("forward_index", "sample_id", "signal", "tensor_path", "value")',
-                '    .sort("sample_id")',
-                "    .collect()",
-                ")",
-            ]
-    return _fence(_for_location(directory, code), "python")
 
 
 def _events_section(
@@ -422,8 +165,8 @@ def _events_section(
     block: list[str] = []
     for index, event in enumerate(shown):
         block += _event_lines(index, event)
-    lines += _fence(block)
-    lines += ["Their dense samples (Python, Polars):", "", *_event_queries(directory, events)]
+    lines += fence(block)
+    lines += ["Their dense samples (Python, Polars):", "", *event_queries(directory, events)]
     return lines
 
 
@@ -437,6 +180,25 @@ def render(
 ) -> str:
     """The text of index.md (``events``: :func:`ti_io.read.events.event_records` of the run,
     listed first; None for a live run)."""
+    lines = [
+        *_status(facts, live=live),
+        *_events_section(directory, events, live=live),
+        *_run_section(facts, data),
+        *_files_section(),
+        *_measurement_section(facts),
+        *_result_json_section(facts, data),
+        *_unavailable_section(data),
+        "## Queries",
+        "",
+        "Ready to run (Python, Polars):",
+        "",
+        *queries(directory, facts, data),
+    ]
+    return "\n".join(lines)
+
+
+def _status(facts: RunFacts, *, live: bool) -> list[str]:
+    """What the directory is, whether the run is finished, its cost and any gap."""
     lines = [
         "# TorchInstruments run",
         "",
@@ -465,9 +227,13 @@ def render(
             f"every other row is there. The files kept in `{DAMAGED_DIR}/` are listed in "
             f"`{DAMAGED_DIR}/{SKIPPED_FILE}`:",
             "",
-            *_fence([literal(entry) for entry in entries]),
+            *fence([literal(entry) for entry in entries]),
         ]
-    lines += _events_section(directory, events, live=live)
+    return lines
+
+
+def _run_section(facts: RunFacts, data: HistoryFacts | None) -> list[str]:
+    """The run's facts (id, rank, producer, sampler, window, settings) and the history's."""
     window = facts.window
     facts_block = [
         f"run_id:        {literal(facts.run_id or 'unknown')}",
@@ -496,8 +262,12 @@ def render(
         ]
         if data.histograms is not None:
             facts_block.append(f"histograms:    {data.histograms} rows")
-    lines += ["## Run", "", *_fence(facts_block)]
-    lines += [
+    return ["## Run", "", *fence(facts_block)]
+
+
+def _files_section() -> list[str]:
+    """The files of a run, and how names and checksums are handled."""
+    return [
         "## Files",
         "",
         "- `history.parquet`: every scalar measurement, long format (one row per sample, "
@@ -523,6 +293,12 @@ def render(
         "Names of modules are arbitrary strings. In this file they appear only in code blocks, "
         "as JSON string literals (also valid Python literals).",
         "",
+    ]
+
+
+def _measurement_section(facts: RunFacts) -> list[str]:
+    """Samples, signals, the columns of each table and the run's metrics."""
+    lines = [
         "## How it was measured",
         "",
         "A *sample* is one sampled root forward of the model (`sample_id` counts them from 0); "
@@ -543,7 +319,7 @@ def render(
             for name, text in SIGNAL_DEFINITIONS.items()
         ),
         "",
-        *_columns_table("ti.history", history_schema()),
+        *columns_table("ti.history", history_schema()),
         "Histogram columns (`ti.histograms`) share the identity columns above and add:",
         "",
     ]
@@ -558,7 +334,7 @@ def render(
             for f in hist_only
         ),
         "",
-        *_columns_table("ti.events", events_schema()),
+        *columns_table("ti.events", events_schema()),
         "Metrics (values of the `metric` column):",
         "",
         "| metric | definition |",
@@ -568,7 +344,13 @@ def render(
         spec = declared_metric(metric)
         definition = spec.definition if spec else "custom reducer (defined by the producer)"
         lines.append(f"| {md_escape(metric)} | {md_escape(definition)} |")
-    lines += [
+    return lines
+
+
+def _result_json_section(facts: RunFacts, data: HistoryFacts | None) -> list[str]:
+    """result.json's shape and aggregates, then the layers."""
+    window = facts.window
+    return [
         "",
         "## result.json",
         "",
@@ -591,6 +373,11 @@ def render(
         "",
         *_layer_block(facts, data),
     ]
+
+
+def _unavailable_section(data: HistoryFacts | None) -> list[str]:
+    """The most frequent groups of rows without a value."""
+    lines: list[str] = []
     if data is not None and data.unavailable:
         lines += [
             "## Unavailable values",
@@ -604,15 +391,8 @@ def render(
                 f"{rows:>4}  {literal(layer)} / {literal(signal)} / {literal(metric)} / "
                 f"{literal(reason)}"
             )
-        lines += _fence(block)
-    lines += [
-        "## Queries",
-        "",
-        "Ready to run (Python, Polars):",
-        "",
-        *_queries(directory, facts, data),
-    ]
-    return "\n".join(lines)
+        lines += fence(block)
+    return lines
 
 
 def write_index(
@@ -637,26 +417,3 @@ def write_index(
         assert local is not None
         where = local.resolve()
     publish_text(directory / "index.md", render(where, facts, data, live=live, events=events))
-
-
-_RUN_PATH: Final[re.Pattern[str]] = re.compile(r'RUN / "([^"]+)"')
-
-
-def _for_location(directory: Path | str, code: list[str]) -> list[str]:
-    """``code`` for a run on an object store (``directory`` its URI): RUN is the URI string,
-    files are ``f"{RUN}/name"`` (Polars reads them with ``storage_options``), result.json is
-    read through ti-io. Unchanged for a local directory."""
-    if not isinstance(directory, str):
-        return code
-    out = []
-    for line in code:
-        if line.startswith("RUN = Path("):
-            line = (
-                f"RUN = {literal(directory)}  # this run on object storage (Polars: add "
-                "storage_options=, docs/reading-with-polars.md)"
-            )
-        elif '(RUN / "result.json").read_text(' in line:
-            out.append("from ti_io.storage import read_text, resolve_location")
-            line = 'records = json.loads(read_text(resolve_location(RUN) / "result.json") or "[]")'
-        out.append(_RUN_PATH.sub(r'f"{RUN}/\1"', line))
-    return out

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ti_io.integrity import open_verified, read_error
 from ti_schema import EVENT_COLUMNS, events_schema, parse_metadata
@@ -181,32 +180,11 @@ def describe_event(event: Mapping[str, Any]) -> str:
     return ", ".join(words)
 
 
-def first_event_index(table: pa.Table) -> int | None:
-    """The row of the event that fired first (smallest ``forward_index``; within it, an event
-    whose replay says the value came ``from_another_rank`` after the others; then
-    ``timestamp``, then ``rank``); None for no events."""
-    if not table.num_rows:
-        return None
-    arrived = pc.fill_null(pc.equal(table.column("replay"), "from_another_rank"), False)
-    keyed = table.append_column("__arrived", arrived)
-    order = pc.sort_indices(
-        keyed,
-        sort_keys=[
-            ("forward_index", "ascending"),
-            ("__arrived", "ascending"),
-            ("timestamp", "ascending"),
-            ("rank", "ascending"),
-        ],
-    )
-    return int(order[0].as_py())
-
-
 __all__ = [
     "EVENT_SUMMARY_KEYS",
     "concat_events",
     "describe_event",
     "event_records",
-    "first_event_index",
     "read_event_file",
     "read_events",
     "scan_events",
