@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import pickle
 from datetime import timedelta
@@ -33,8 +34,8 @@ from ti_core import (
     remove_observer,
     resolve,
 )
-from ti_core.api import ObserverOptions
 from ti_core.capture.hooks import CallOverride, PassthroughCall
+from ti_core.options import OPTION_NAMES, ObserverOptions, Options
 from ti_schema import DEFAULT_METRICS
 from ti_schema.testing import assert_histograms_conform
 
@@ -406,19 +407,33 @@ def test_memory_sink_table_is_columnar_history() -> None:
     assert len(rows(table, signal="output_gradient")) == 3 * len(DEFAULT_METRICS)
 
 
-def test_observe_takes_exactly_the_options_of_inject_observer() -> None:
-    """``observe(model, **options)`` is typed by ObserverOptions: the same names and types."""
-    expected = {
-        name: p.annotation
-        for name, p in inspect.signature(inject_observer).parameters.items()
-        if p.kind is p.KEYWORD_ONLY
-    }
+def test_the_options_are_declared_once_and_typed_alike() -> None:
+    """``inject_observer(model, **options)`` and ``observe`` take ObserverOptions, which lists
+    the fields of ``Options`` (the one declaration: names, types, defaults, checks) with the
+    same types; an unknown name is refused as inject_observer's."""
+    fields = {f.name: f.type for f in dataclasses.fields(Options) if f.init}
     declared = {
         name: a.__forward_arg__ if isinstance(a, ForwardRef) else a
         for name, a in ObserverOptions.__annotations__.items()
     }
-    assert declared == expected
+    assert declared == fields
+    assert tuple(fields) == OPTION_NAMES
     assert ObserverOptions.__required_keys__ == frozenset()
+    for function in (inject_observer, observe):
+        parameters = list(inspect.signature(function).parameters.values())
+        assert [p.kind for p in parameters] == [
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.VAR_KEYWORD,
+        ]
+    with pytest.raises(
+        TypeError, match=r"inject_observer\(\) got unexpected keyword argument\(s\) samplr"
+    ):
+        inject_observer(small_model(), samplr=None)  # type: ignore[call-arg]
+    # defaults: what a plain inject_observer(model) records
+    default = Options()
+    assert default.output_dir == "stats"
+    assert default.chosen_signals == ("output", "output_gradient")
+    assert default.run_settings(notes={}, alignment={})["signals"] == "output,output_gradient"
 
 
 @pytest.mark.parametrize("name", get_args(ErrorPolicyName))

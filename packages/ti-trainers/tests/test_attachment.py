@@ -217,11 +217,17 @@ def test_a_module_never_called_is_reported(tmp_path: Path) -> None:
 
 
 def test_bad_options_leave_the_model_untouched(tmp_path: Path) -> None:
-    """inject_observer refuses before the model is touched; the attachment stays detached."""
+    """A bad value is refused when the callback is made (ti_core.options.Options, as
+    inject_observer checks it); what needs the run (a sink) when the trainer starts, before
+    the model is touched, and the attachment stays detached."""
+    with pytest.raises(ValueError, match="max_histogram_modules"):
+        Attachment({"max_histogram_modules": -1}, "Cb")
+    with pytest.raises(TypeError, match="error_policy"):
+        Attachment({"error_policy": 3}, "Cb")
     net = model()
     before = hook_counts(net)
-    attachment = Attachment({"max_histogram_modules": -1}, "Cb")
-    with pytest.raises(ValueError, match="max_histogram_modules"):
+    attachment = Attachment({"sink": object()}, "Cb")
+    with pytest.raises(TypeError, match="Sink protocol"):
         attachment.attach(net, default_dir=tmp_path, rank=0, world_size=1)
     assert not attachment.attached
     assert_clean(net, before)

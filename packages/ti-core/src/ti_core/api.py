@@ -7,58 +7,40 @@ sink that refuses to open) leaves the model exactly as it was.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from os import PathLike
-from typing import Final, Literal, TypedDict, Unpack
+from typing import Final, Literal, Unpack
 
 from torch import nn
 
 from ti_core import aligned_sampling, legacy, preemption, resolve
 from ti_core.capture.hooks import scrub_copied_hooks
-from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.compiled.support import check_compiled_model
 from ti_core.cost import CostMeter, MeteredSampler
 from ti_core.emission.sinks import read_capabilities
-from ti_core.errors import ErrorPolicy, ErrorPolicyName, ObserverAlreadyAttachedError
+from ti_core.errors import ErrorPolicy, ObserverAlreadyAttachedError
 from ti_core.observer import Observer
-from ti_core.ranks import RankPolicy
+from ti_core.options import DEFAULT_OUTPUT_DIR, ObserverOptions, Options
 from ti_core.records import RunColumns
-from ti_core.reduction.plan import ReducerSpec, ReductionPlan, default_reducers
+from ti_core.reduction.plan import ReductionPlan, default_reducers
 from ti_core.reduction.precision import with_precision
 from ti_core.reduction.stability import with_metrics
 from ti_core.sampling import (
     DEFAULT_INTERVAL,
     Sampler,
     TimedSampler,
-    interval_seconds,
 )
-from ti_core.selection import Selector, select_modules, unwrap_model
-from ti_core.sentinel import Event, Sentinel, resolve_sentinel
+from ti_core.selection import select_modules, unwrap_model
+from ti_core.sentinel import Event
 from ti_core.sentinel.options import check_forwards
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
 from ti_schema import (
-    DEFAULT_METRICS,
-    DEFAULT_SIGNALS,
-    SIGNALS,
-    Signal,
     histogram_schema,
     history_schema,
 )
-from ti_schema.precision import check_formats
-
-
-class _DefaultOutputDir(str):
-    """The default ``output_dir``: equal to ``"stats"``, told apart from an explicit
-    ``output_dir="stats"`` by identity (a DirectorySink in ``sink=`` replaces only the default)."""
-
-    __slots__ = ()
-
-
-DEFAULT_OUTPUT_DIR: Final[str] = _DefaultOutputDir("stats")
 
 ATTRIBUTE: Final = "_ti_observer"
 """Key of the observer in the model's ``__dict__`` (never a submodule, parameter or buffer);
@@ -146,27 +128,6 @@ def _resolve_sinks(
     ]
 
 
-def _resolve_signals(signals: Collection[Signal]) -> tuple[Signal, ...]:
-    """The signals to record, in contract order; a clear error for anything else."""
-    if isinstance(signals, str | bytes) or not isinstance(signals, Collection):
-        raise TypeError(
-            f"signals= must be a collection of signal names, e.g. ('output', 'output_gradient', "
-            f"'parameter_update'), got {signals!r}"
-        )
-    names = list(signals)
-    unknown = [n for n in names if n not in SIGNALS]
-    if unknown:
-        raise ValueError(
-            f"signals= names unknown signal(s) {unknown!r}; choose from {list(SIGNALS)}"
-        )
-    if not names:
-        raise ValueError(
-            "signals= is empty, so nothing would be recorded; pass e.g. "
-            f"signals={DEFAULT_SIGNALS!r} (the default)"
-        )
-    return tuple(s for s in SIGNALS if s in names)
-
-
 def _resolve_sampler(sampler: Sampler | None, interval: timedelta | float) -> Sampler:
     if sampler is None:
         return TimedSampler(interval)
@@ -183,28 +144,7 @@ def _resolve_sampler(sampler: Sampler | None, interval: timedelta | float) -> Sa
     return sampler
 
 
-def inject_observer(
-    model: nn.Module,
-    *,
-    output_dir: str | PathLike[str] | None = DEFAULT_OUTPUT_DIR,
-    sink: Sink | Sequence[Sink] | None = None,
-    sampler: Sampler | None = None,
-    interval: timedelta | float = DEFAULT_INTERVAL,
-    selector: Selector | None = None,
-    reducers: Sequence[ReducerSpec] | None = None,
-    histogram_selector: Selector | Collection[str] | None = None,
-    max_histogram_modules: int = 8,
-    rank_policy: str | RankPolicy = "rank0",
-    error_policy: ErrorPolicyName = "warn",
-    capture_direct_forwards: bool = False,
-    signals: Collection[Signal] = DEFAULT_SIGNALS,
-    update_budget_bytes: int = DEFAULT_UPDATE_BUDGET_BYTES,
-    handle_sigterm: bool = True,
-    precision: Collection[str] = (),
-    sentinel: bool | Sentinel = True,
-    settings: Mapping[str, str] | None = None,
-    metrics: Collection[str] = DEFAULT_METRICS,
-) -> None:
+def inject_observer(model: nn.Module, **options: Unpack[ObserverOptions]) -> None:
     """Attach an observer that records selected modules' outputs and output gradients.
 
     ``signals`` chooses what is recorded (default ``("output", "output_gradient")``); the
@@ -255,6 +195,13 @@ def inject_observer(
     :func:`~ti_core.inject_stage_observer` records a pipeline stage's this way). A key ti-core
     records itself is refused.
     """
+    attach(model, Options.of(options, "inject_observer"))
+
+
+def attach(model: nn.Module, options: Options) -> None:
+    """Attach an observer to ``model`` with ``options`` (what :func:`inject_observer` does once
+    its keyword arguments are an :class:`~ti_core.options.Options`): everything is resolved and
+    checked, then the sinks are opened, then the hooks installed."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module "
@@ -264,45 +211,21 @@ def inject_observer(
         raise ObserverAlreadyAttachedError(
             f"{type(model).__name__} already has an observer; call remove_observer(model) first"
         )
-    errors = ErrorPolicy(error_policy) if isinstance(error_policy, str) else None
-    if errors is None:
-        raise TypeError(f"error_policy= must be 'warn', 'ignore' or 'raise', got {error_policy!r}")
-    if not isinstance(capture_direct_forwards, bool):
-        raise TypeError(f"capture_direct_forwards= must be a bool, got {capture_direct_forwards!r}")
-    if not isinstance(handle_sigterm, bool):
-        raise TypeError(
-            f"handle_sigterm= must be True or False, got {handle_sigterm!r} (False leaves "
-            "SIGTERM to a program that manages its signals itself)"
-        )
-    extra_settings = _resolve_settings(settings)
-    chosen_signals = _resolve_signals(signals)
-    chosen_sentinel = resolve_sentinel(sentinel)
-    if isinstance(update_budget_bytes, bool) or not isinstance(update_budget_bytes, int):
-        raise TypeError(
-            f"update_budget_bytes= must be an int >= 0 (bytes), got {update_budget_bytes!r}"
-        )
-    if update_budget_bytes < 0:
-        raise ValueError(
-            f"update_budget_bytes={update_budget_bytes} must be >= 0 (0 measures no update)"
-        )
-    if isinstance(max_histogram_modules, bool) or not isinstance(max_histogram_modules, int):
-        raise TypeError(
-            f"max_histogram_modules= must be an int >= 0, got {max_histogram_modules!r}"
-        )
-    if max_histogram_modules < 0:
-        raise ValueError(
-            f"max_histogram_modules={max_histogram_modules} must be >= 0 (0 turns histograms off)"
-        )
-    if sampler is None:
-        interval_seconds(interval)
-    chosen_sampler = _resolve_sampler(sampler, interval)
-    policy = resolve.rank_policy(rank_policy)
+    sampler = _resolve_sampler(options.sampler, options.interval)
+    policy = resolve.rank_policy(options.rank_policy)
     check_compiled_model(model)
-    target = unwrap_model(model)
-    selection = select_modules(target, selector, histogram_selector, max_histogram_modules)
-    adapted = legacy.adapt_reducers(default_reducers() if reducers is None else reducers)
-    plan = ReductionPlan(with_precision(with_metrics(adapted.reducers, metrics), precision))
-    sinks = _resolve_sinks(output_dir, legacy.adapt_sinks(sink, selection.modules))
+    selection = select_modules(
+        unwrap_model(model),
+        options.selector,
+        options.histogram_selector,
+        options.max_histogram_modules,
+    )
+    reducers = default_reducers() if options.reducers is None else options.reducers
+    adapted = legacy.adapt_reducers(reducers)
+    plan = ReductionPlan(
+        with_precision(with_metrics(adapted.reducers, options.metrics), options.precision)
+    )
+    sinks = _resolve_sinks(options.output_dir, legacy.adapt_sinks(options.sink, selection.modules))
     capabilities = read_capabilities(sinks)  # TypeError for a malformed one, before any opens
     ranks = resolve.select_rank(policy)
     if not ranks.observe:
@@ -310,11 +233,10 @@ def inject_observer(
     # The run's telemetry cost (ti_core.cost): a sampler that reads it is bound before any
     # wrapper (rank alignment) hides it.
     meter = CostMeter()
-    if isinstance(chosen_sampler, MeteredSampler):
-        chosen_sampler.bind_meter(meter)
-    described_sampler = repr(chosen_sampler)
-    chosen_sampler, alignment = aligned_sampling.align(chosen_sampler, policy, ranks)
-
+    if isinstance(sampler, MeteredSampler):
+        sampler.bind_meter(meter)
+    described_sampler = repr(sampler)
+    sampler, alignment = aligned_sampling.align(sampler, policy, ranks)
     producer = _producer()
     metrics = tuple(plan.metric_names)
     run = RunInfo(
@@ -328,30 +250,8 @@ def inject_observer(
         metrics=metrics,
         sampler=described_sampler,
         rank_subdir=ranks.subdir,
-        settings={
-            "error_policy": errors.name,
-            "capture_direct_forwards": str(capture_direct_forwards).lower(),
-            "max_histogram_modules": str(max_histogram_modules),
-            "selector": repr(selector) if selector is not None else "leaf_modules()",
-            "rank_policy": repr(rank_policy),
-            "signals": ",".join(chosen_signals),
-            **({"sentinel": repr(chosen_sentinel)} if chosen_sentinel is not None else {}),
-            **adapted.notes,
-            **alignment,
-            **({"precision": ",".join(check_formats(precision))} if precision else {}),
-            **(
-                {"update_budget_bytes": str(update_budget_bytes)}
-                if "parameter_update" in chosen_signals
-                else {}
-            ),
-        },
+        settings=options.run_settings(notes=adapted.notes, alignment=alignment),
     )
-    taken = sorted(set(run.settings) & set(extra_settings))
-    if taken:
-        raise ValueError(
-            f"settings= may not set {taken}: ti-core records them itself; choose other keys"
-        )
-    run = replace(run, settings={**run.settings, **extra_settings})
     columns = RunColumns(
         history_schema=history_schema(producer),
         histogram_schema=histogram_schema(producer),
@@ -361,6 +261,36 @@ def inject_observer(
         module_types=tuple(layer.module_type for layer in selection.layers),
         metric_names=metrics,
     )
+    _open_sinks(sinks, run)
+    reset = getattr(sampler, "reset", None)
+    if callable(reset):
+        reset()
+    errors = ErrorPolicy(options.error_policy)
+    observer = Observer(
+        root=model,
+        modules=selection.modules,
+        focus=selection.focus,
+        run=run,
+        sinks=sinks,
+        sampler=sampler,
+        plan=plan,
+        errors=errors,
+        capture_direct_forwards=options.capture_direct_forwards,
+        columns=columns,
+        capabilities=capabilities,
+        background=_background_allowed(plan, capabilities, errors),
+        signals=options.chosen_signals,
+        update_budget_bytes=options.update_budget_bytes,
+        sentinel=options.chosen_sentinel,
+        meter=meter,
+    )
+    model.__dict__[ATTRIBUTE] = observer
+    observer.attach(model)
+    preemption.watch(observer, handle_sigterm=options.handle_sigterm)
+
+
+def _open_sinks(sinks: Sequence[Sink], run: RunInfo) -> None:
+    """Open every sink for ``run``; when one refuses, close those already open and raise."""
     opened: list[Sink] = []
     try:
         for s in sinks:
@@ -371,44 +301,6 @@ def inject_observer(
             with suppress(Exception):  # the open failure is the error worth reporting
                 s.close()
         raise
-    reset = getattr(chosen_sampler, "reset", None)
-    if callable(reset):
-        reset()
-    observer = Observer(
-        root=model,
-        modules=selection.modules,
-        focus=selection.focus,
-        run=run,
-        sinks=sinks,
-        sampler=chosen_sampler,
-        plan=plan,
-        errors=errors,
-        capture_direct_forwards=capture_direct_forwards,
-        columns=columns,
-        capabilities=capabilities,
-        background=_background_allowed(plan, capabilities, errors),
-        signals=chosen_signals,
-        update_budget_bytes=update_budget_bytes,
-        sentinel=chosen_sentinel,
-        meter=meter,
-    )
-    model.__dict__[ATTRIBUTE] = observer
-    observer.attach(model)
-    preemption.watch(observer, handle_sigterm=handle_sigterm)
-
-
-def _resolve_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
-    """The caller's run settings (``inject_observer(settings=...)``), checked."""
-    if settings is None:
-        return {}
-    if not isinstance(settings, Mapping) or not all(
-        isinstance(k, str) and k and isinstance(v, str) for k, v in settings.items()
-    ):
-        raise TypeError(
-            "settings= must map non-empty strings to strings (str(value) what is not one), "
-            f"got {settings!r}"
-        )
-    return dict(settings)
 
 
 def _background_allowed(
@@ -493,29 +385,6 @@ def trigger_capture(
     except Exception as error:
         observer.errors.handle("capture trigger", error)
         return None
-
-
-class ObserverOptions(TypedDict, total=False):
-    """The keyword options of :func:`inject_observer`, as :func:`observe` takes them."""
-
-    output_dir: str | PathLike[str] | None
-    sink: Sink | Sequence[Sink] | None
-    sampler: Sampler | None
-    interval: timedelta | float
-    selector: Selector | None
-    reducers: Sequence[ReducerSpec] | None
-    histogram_selector: Selector | Collection[str] | None
-    max_histogram_modules: int
-    rank_policy: str | RankPolicy
-    error_policy: ErrorPolicyName
-    capture_direct_forwards: bool
-    signals: Collection[Signal]
-    update_budget_bytes: int
-    handle_sigterm: bool
-    sentinel: bool | Sentinel
-    precision: Collection[str]
-    settings: Mapping[str, str] | None
-    metrics: Collection[str]
 
 
 @contextmanager

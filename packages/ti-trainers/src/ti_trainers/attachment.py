@@ -2,7 +2,7 @@
 event with the trainer's own rank and directory, detached exactly once.
 
 Shared by the Lightning and Hugging Face callbacks; imports neither library. The options are
-those of ``ti_core.inject_observer`` (``ti_core.api.ObserverOptions``); the callbacks only fill
+those of ``ti_core.inject_observer`` (``ti_core.options.Options``); the callbacks only fill
 in what the trainer knows: where to write by default, and which rank this process is. With a
 loss trigger (``loss_trigger=``, :class:`ti_trainers.LossSpike`), the losses the callback reads
 are tested here and an alarming one becomes ``ti_core.trigger_capture(kind="loss")``.
@@ -26,7 +26,7 @@ from ti_core import (
     remove_observer,
     trigger_capture,
 )
-from ti_core.api import ObserverOptions
+from ti_core import options as options_module
 from ti_core.sink import Sink
 from ti_io import DirectorySink
 from ti_schema.layout import rank_dir_name
@@ -36,8 +36,9 @@ from ti_trainers.loss_spike import LossSpike, resolve_loss_trigger
 RankPolicyName = Literal["rank0", "all"]
 """The named rank policies a callback resolves from the trainer's own rank."""
 RANK_POLICY_NAMES: Final[tuple[RankPolicyName, ...]] = get_args(RankPolicyName)
-OPTION_NAMES: Final[tuple[str, ...]] = tuple(ObserverOptions.__annotations__)
-"""The keyword arguments of ``ti_core.inject_observer`` (and so of every callback)."""
+OPTION_NAMES: Final[tuple[str, ...]] = options_module.OPTION_NAMES
+"""The keyword arguments of ``ti_core.inject_observer`` (and so of every callback): the fields
+of ``ti_core.options.Options``."""
 
 
 class NothingObservedWarning(UserWarning):
@@ -86,9 +87,10 @@ class TrainerRanks:
 
 
 def check_options(options: Mapping[str, object], owner: str) -> dict[str, Any]:
-    """The options of a callback, checked where the trainer cannot help: unknown names, the
-    rank policy, the output directory. Everything else ``inject_observer`` checks when the
-    trainer starts, before the model is touched."""
+    """The options of a callback, checked when it is made: unknown names, the rank policy, the
+    output directory, and every other value as ``inject_observer`` checks it
+    (``ti_core.options.Options``). What needs the model (its modules, a compiled graph) and the
+    sinks are checked when the trainer starts, before the model is touched."""
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
         raise TypeError(
@@ -116,6 +118,7 @@ def check_options(options: Mapping[str, object], owner: str) -> dict[str, Any]:
             )
         if isinstance(output_dir, str) and not output_dir:
             raise ValueError(f"{owner}(output_dir='') is empty; pass a directory, or None")
+    options_module.Options.of(options, owner)
     return dict(options)
 
 

@@ -25,7 +25,7 @@ except ImportError as _import_error:
 
 from torch import nn
 
-from ti_core.api import ObserverOptions
+from ti_core.options import ObserverOptions
 from ti_trainers.attachment import Attachment
 from ti_trainers.loss_spike import LossSpike
 

@@ -27,7 +27,7 @@ except ImportError as _import_error:
 
 from torch import Tensor, nn
 
-from ti_core.api import ObserverOptions
+from ti_core.options import ObserverOptions
 from ti_core.sink import Sink
 from ti_io import TensorBoardSink
 from ti_trainers.attachment import Attachment

@@ -192,7 +192,7 @@ def render(
         "",
         "Ready to run (Python, Polars):",
         "",
-        *queries(directory, facts, data),
+        *queries(directory, facts, data.layer_rows if data is not None else {}),
     ]
     return "\n".join(lines)
 

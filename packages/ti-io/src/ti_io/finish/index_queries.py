@@ -14,22 +14,29 @@ from ti_schema import PRECISION_FORMATS
 
 if TYPE_CHECKING:
     from ti_io.facts import RunFacts
-    from ti_io.finish.index_md import HistoryFacts
 
 EVENTS_LISTED: Final[int] = 20
 """Events index.md describes one by one (with their queries); the rest are counted."""
 
 
-def example_layers(facts: RunFacts, data: HistoryFacts | None) -> tuple[str, list[str]]:
-    executed = [i.name for i in facts.layers if data and data.layer_rows.get(i.name, (0, 0))[0]]
+def example_layers(
+    facts: RunFacts, layer_rows: Mapping[str, tuple[int, int]]
+) -> tuple[str, list[str]]:
+    """The layer the queries show (a focus layer, else one with rows) and up to three to
+    compare; ``layer_rows``: rows per layer (none: the history is unknown)."""
+    executed = [i.name for i in facts.layers if layer_rows.get(i.name, (0, 0))[0]]
     focus = list(facts.focus_layers)
     first = (focus or executed or [i.name for i in facts.layers] or ["encoder.0"])[0]
     compare = (focus or executed or [first])[:3]
     return first, compare
 
 
-def queries(directory: Path | str, facts: RunFacts, data: HistoryFacts | None) -> list[str]:
-    layer, compare = example_layers(facts, data)
+def queries(
+    directory: Path | str, facts: RunFacts, layer_rows: Mapping[str, tuple[int, int]]
+) -> list[str]:
+    """The run's queries, for ``directory`` (a path, or the URI of a run on object storage);
+    ``layer_rows``: rows per layer, which picks the example layers."""
+    layer, compare = example_layers(facts, layer_rows)
     metric = "std" if "std" in facts.metrics or not facts.metrics else facts.metrics[0]
     formats = [f for f in PRECISION_FORMATS if f"underflow_fraction.{f}" in facts.metrics]
     fmt = formats[0] if formats else "float8_e4m3fn"
