@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import pyarrow as pa
 
@@ -36,6 +37,20 @@ class Event:
         return self.layers[0] if self.layers else None
 
 
+class EventDetails(TypedDict, total=False):
+    """What an :class:`Event` says beyond its kind, forward and dense capture (its optional
+    fields, as keyword arguments)."""
+
+    signal: str | None
+    layers: tuple[str, ...]
+    module_types: tuple[str, ...]
+    tensor_paths: tuple[str, ...]
+    reason: str | None
+    value: float | None
+    replay: ReplayVerdict | None
+    replay_reason: str | None
+
+
 def event_batch(event: Event, schema: pa.Schema, run_id: str, rank: int) -> pa.RecordBatch:
     """``event`` as one row of ``schema`` (``ti_schema.events_schema(producer)``)."""
     first = bool(event.layers)
@@ -63,4 +78,4 @@ def event_batch(event: Event, schema: pa.Schema, run_id: str, rank: int) -> pa.R
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-__all__ = ["Event", "event_batch"]
+__all__ = ["Event", "EventDetails", "event_batch"]

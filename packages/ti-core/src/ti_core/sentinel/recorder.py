@@ -15,15 +15,10 @@ carries its verdict. A root whose hooks are traced into a compiled graph has no 
 root: it is checked as in the dense mode, and its events are not replayable.
 
 Dense mode: the gate calls :meth:`FlightRecorder.begin`, :meth:`~FlightRecorder.check` and
-:meth:`~FlightRecorder.end` around and inside every root forward (and
-the compiled graphs hand it the values they computed, :meth:`~FlightRecorder.check_values`).
-Gradient checks are pre-hooks of the backward nodes that produced the outputs
-(:class:`GradientCheck`), living as long as the autograd graph; each backward's flags are read
-when it ends (an engine callback). Compiled graphs write their output flags into slots
-(:mod:`~ti_core.compiled.slots`), and so do the eager output checks of a run once it has a
-compiled graph; the slots are read with the root forward's other flags. Inductor's backward
-graphs write gradient slots the same way (and then so do the eager gradient checks), read
-when the next root forward ends.
+:meth:`~FlightRecorder.end` around and inside every root forward (the compiled graphs hand it
+their values, :meth:`~FlightRecorder.check_values`); gradients are checked by hooks on the
+outputs' backward nodes (:mod:`~ti_core.sentinel.forwards`). Compiled graphs write their flags
+into slots (:mod:`~ti_core.compiled.slots`), read with the root forward's other flags.
 
 Events (``ti.events`` rows) go to the sinks that declare ``write_events`` at once, on the
 thread that found them. State, changed under the recorder's lock::
@@ -49,99 +44,37 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, Unpack
 
 import pyarrow as pa
 import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from ti_core import _torch
 from ti_core.capture.context import now_us
 from ti_core.capture.paths import tensor_leaves
 from ti_core.compiled.slots import FlagSlots, Keyed, PendingSlots, merge
 from ti_core.errors import ErrorPolicy
 from ti_core.sentinel.dense import DenseSampler
-from ti_core.sentinel.events import Event, event_batch
-from ti_core.sentinel.flags import Flagged, Flags, PendingRead, check_all, real_values
+from ti_core.sentinel.events import Event, EventDetails, event_batch
+from ti_core.sentinel.flags import Flagged, Flags, PendingRead, check_all
+from ti_core.sentinel.forwards import (
+    SENTINEL_STAGE,
+    TRACED_ROOT,
+    Forward,
+    GradientCheck,
+    GradientFlush,
+    Watch,
+    slot_check,
+)
 from ti_core.sentinel.options import DEFAULT_DENSE_FORWARDS, Sentinel
 from ti_core.sentinel.replay import ROOT, Replayer, StepRecord, Verdict
 from ti_core.sentinel.root_checks import RootGradient
-from ti_schema import EventKind, ReplayVerdict
+from ti_schema import EventKind
 
-SENTINEL_STAGE: Final = "sentinel check"
 _RECENT: Final = 64
 """Root forwards whose clean output check waits for their gradient check (older ones are
 forgotten: their backward never came)."""
-
-
-_TRACED_ROOT: Final = (
-    "the root's hooks ran inside the compiled graph: the forward's arguments were not kept "
-    "(the event names the module its checks in the graph flagged)"
-)
-
-
-class _Forward:
-    """One root forward's output flags (per thread) and its backward's gradient flags."""
-
-    __slots__ = (
-        "_outputs",
-        "calls",
-        "device",
-        "ending",
-        "gradient_calls",
-        "gradients",
-        "index",
-        "step",
-        "unkept",
-        "watch",
-        "watched",
-    )
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.step: StepRecord | None = None
-        """Replay mode: what re-running it needs (None: not kept)."""
-        self.unkept = _TRACED_ROOT
-        """Replay mode: why ``step`` is None."""
-        self.ending = False
-        """Replay mode: a backward through its output queued its backward-end check."""
-        self.device: torch.device | str = "cpu"
-        """Replay mode: where the check that fired read its tensors."""
-        self._outputs: Flags | None = None
-        self.gradients: _GradientFlush | None = None
-        self.watched = False  # a gradient check was hooked on one of its outputs
-        self.watch: _Watch | None = None
-        """Its eager gradient checks' liveness (made with the first)."""
-        self.calls: dict[tuple[int, str], int] = {}
-        """Its eager calls per checked tensor, once the run has slots (each has its own)."""
-        self.gradient_calls: dict[tuple[int, str], int] = {}
-        """Its eager gradient checks per tensor, once the run has gradient slots."""
-
-    @property
-    def outputs(self) -> Flags:
-        """Its output flags (dense mode; made at the first check)."""
-        flags = self._outputs
-        if flags is None:
-            flags = self._outputs = Flags()
-        return flags
-
-
-class _Watch:
-    """The eager gradient checks hooked in one root forward: whether a backward ran any, and
-    whether the autograd graph holding them still lives (kept while the forward waits for
-    its gradient check, so nothing heavier than this is)."""
-
-    __slots__ = ("probes", "ran")
-
-    def __init__(self) -> None:
-        self.probes: list[weakref.ref[GradientCheck] | weakref.ref[RootGradient]] = []
-        self.ran = False
-
-    def abandoned(self) -> bool:
-        """Whether the graph is gone with no backward through it (inference with gradients
-        enabled): the forward's gradient check will never come."""
-        return not self.ran and all(probe() is None for probe in self.probes)
 
 
 class FlightRecorder:
@@ -178,9 +111,9 @@ class FlightRecorder:
         """The forward index of the latest ``nonfinite`` event: only a clean forward after it
         re-arms."""
         self._closed = False
-        self._clean_outputs: dict[int, _Watch | None] = {}
+        self._clean_outputs: dict[int, Watch | None] = {}
         """Root forwards whose output check was clean, waiting for their gradient check (with
-        their eager gradient checks' :class:`_Watch`; None: a compiled graph's checks)."""
+        their eager gradient checks' ``Watch``; None: a compiled graph's checks)."""
         self._pending: list[tuple[Callable[[], bool] | None, Callable[[], None]]] = []
         """Reads asked for on an accelerator: ``(ready, act)``; ``ready`` None: act at the next
         root forward's end whatever (an output read, one forward later)."""
@@ -189,7 +122,7 @@ class FlightRecorder:
         self.gradient_slots = FlagSlots()
         """The gradient slots inductor's backward graphs (and, once there is one, the eager
         gradient checks) write; read when the next root forward ends."""
-        self._last: _Forward | None = None
+        self._last: Forward | None = None
         """The latest root forward that ended (compiled gradient checks belong to it)."""
         self._latest: Callable[[], int] = lambda: -1
         self.events: list[Event] = []
@@ -244,7 +177,7 @@ class FlightRecorder:
     ) -> None:
         """An outermost root forward starts on this thread (replay mode keeps its arguments,
         ``args`` and ``kwargs``, and RNG states for a replay)."""
-        forward = self._local.forward = _Forward(index)
+        forward = self._local.forward = Forward(index)
         if self._replayer is not None:
             try:
                 forward.step = StepRecord(args, kwargs)
@@ -257,7 +190,7 @@ class FlightRecorder:
         """Replay mode: the outermost root forward of this thread ended with ``output``: check
         its tensors (on an accelerator, ask for the flags and act on the ones asked for one
         root forward ago) and, with gradients, hook the backward nodes that made them."""
-        forward: _Forward | None = getattr(self._local, "forward", None)
+        forward: Forward | None = getattr(self._local, "forward", None)
         self._local.forward = None
         self._settle()
         if forward is None or self._closed:
@@ -273,7 +206,7 @@ class FlightRecorder:
                 node.register_prehook(check)
                 watch = forward.watch
                 if watch is None:
-                    watch = forward.watch = _Watch()
+                    watch = forward.watch = Watch()
                 watch.probes.append(weakref.ref(check))
                 forward.watched = True
         if leaves:
@@ -290,7 +223,7 @@ class FlightRecorder:
             return
         self._outputs_read(forward, result, watched=forward.watched)
 
-    def backward_ended(self, forward: _Forward) -> None:
+    def backward_ended(self, forward: Forward) -> None:
         """Replay mode: a backward through ``forward``'s output ended (after the reductions
         across ranks): check the gradients of the selected parameters and of the root's
         inputs that require grad."""
@@ -341,7 +274,7 @@ class FlightRecorder:
         except Exception as error:
             self._errors.handle(SENTINEL_STAGE, error)
 
-    def _backward_read(self, forward: _Forward, flagged: Flagged) -> None:
+    def _backward_read(self, forward: Forward, flagged: Flagged) -> None:
         try:
             self._gradients_read(forward.index, flagged, forward)
         finally:
@@ -352,7 +285,7 @@ class FlightRecorder:
         """A selected module returned ``output`` in this thread's root forward (``last``: the
         root's own output, checked after every other check of the forward, whose flags come
         after the slots' anyway: it needs no slot)."""
-        forward: _Forward | None = getattr(self._local, "forward", None)
+        forward: Forward | None = getattr(self._local, "forward", None)
         if forward is None:
             return
         leaves = (("", output),) if isinstance(output, Tensor) else tensor_leaves(output)
@@ -361,7 +294,7 @@ class FlightRecorder:
         slotted = self.slots.active and not last  # a compiled run: checks write slots
         for path, tensor in leaves:
             if outputs is not None and not (
-                slotted and _slot_check(self.slots, forward.calls, layer, path, tensor)
+                slotted and slot_check(self.slots, forward.calls, layer, path, tensor)
             ):
                 outputs.add(layer, path, tensor)
             if gradients and tensor.requires_grad:
@@ -375,7 +308,7 @@ class FlightRecorder:
                 node.register_prehook(check)
                 watch = forward.watch
                 if watch is None:
-                    watch = forward.watch = _Watch()
+                    watch = forward.watch = Watch()
                 watch.probes.append(weakref.ref(check))
                 forward.watched = True
 
@@ -392,9 +325,9 @@ class FlightRecorder:
         bool each); ``watched``: the graph's backward checks the gradient of one of them (the
         forward is re-armed only once that check is clean too, as in eager mode); ``order``:
         the slots' counter at this call (where it falls among the slots' flags), or None."""
-        forward: _Forward | None = getattr(self._local, "forward", None)
+        forward: Forward | None = getattr(self._local, "forward", None)
         if forward is None:
-            forward = self._local.forward = _Forward(self._latest())
+            forward = self._local.forward = Forward(self._latest())
         if watched and self._gradients:
             forward.watched = True
         for path, value in zip(paths, values, strict=True):
@@ -420,7 +353,7 @@ class FlightRecorder:
             return  # (a graph checks gradients only when the sentinel does: a safeguard)
         flush = forward.gradients
         if flush is None:
-            flush = forward.gradients = _GradientFlush(self._self_ref, forward)
+            flush = forward.gradients = GradientFlush(self._self_ref, forward)
         layer, path = self._gradient_checks[check]
         flush.flags.add_value(layer, path, finite)
         if not flush.queued:
@@ -431,13 +364,13 @@ class FlightRecorder:
         an accelerator, ask for them and act on the ones asked for one root forward ago).
         ``current``: the slots as the graph that ends the forward holds them (its root hooks
         traced: it writes them back after this)."""
-        forward: _Forward | None = getattr(self._local, "forward", None)
+        forward: Forward | None = getattr(self._local, "forward", None)
         self._local.forward = None
         self._settle()
         if not self._closed:
             self._read_gradient_slots()
         if forward is None and self.slots.active:  # root hooks traced: no eager begin
-            forward = _Forward(self._latest())
+            forward = Forward(self._latest())
         if forward is None or self._closed:
             return
         self._last = forward
@@ -506,7 +439,7 @@ class FlightRecorder:
             with self._lock:
                 self._pending[:0] = later
 
-    def _outputs_read(self, forward: _Forward, flagged: Flagged, *, watched: bool) -> None:
+    def _outputs_read(self, forward: Forward, flagged: Flagged, *, watched: bool) -> None:
         index = forward.index
         if flagged:
             self._fire("output", index, flagged, forward)
@@ -541,9 +474,7 @@ class FlightRecorder:
             return
         self._gradients_read(index, result)
 
-    def _gradients_read(
-        self, index: int, flagged: Flagged, forward: _Forward | None = None
-    ) -> None:
+    def _gradients_read(self, index: int, flagged: Flagged, forward: Forward | None = None) -> None:
         if flagged:
             with self._lock:
                 self._clean_outputs.pop(index, None)
@@ -562,7 +493,7 @@ class FlightRecorder:
     # ------------------------------------------------------------------ events
 
     def _fire(
-        self, signal: str, index: int, flagged: Flagged, forward: _Forward | None = None
+        self, signal: str, index: int, flagged: Flagged, forward: Forward | None = None
     ) -> None:
         with self._lock:
             if not self._armed:
@@ -591,7 +522,7 @@ class FlightRecorder:
             replay_reason=None if verdict is None else verdict.reason,
         )
 
-    def _replay(self, signal: str, forward: _Forward | None) -> Verdict:
+    def _replay(self, signal: str, forward: Forward | None) -> Verdict:
         """The replay's verdict on the step of ``forward`` (never raises)."""
         replayer = self._replayer
         assert replayer is not None
@@ -599,7 +530,7 @@ class FlightRecorder:
         if forward is None or step is None:
             return Verdict(
                 "not_replayable",
-                forward.unkept if forward is not None else _TRACED_ROOT,
+                forward.unkept if forward is not None else TRACED_ROOT,
             )
         try:
             return replayer.replay(step, signal, str(forward.device))
@@ -630,36 +561,16 @@ class FlightRecorder:
         return self._record(kind, self._latest(), forwards, reason=reason, value=value)
 
     def _record(
-        self,
-        kind: EventKind,
-        index: int,
-        forwards: int,
-        *,
-        signal: str | None = None,
-        layers: tuple[str, ...] = (),
-        module_types: tuple[str, ...] = (),
-        tensor_paths: tuple[str, ...] = (),
-        reason: str | None = None,
-        value: float | None = None,
-        replay: ReplayVerdict | None = None,
-        replay_reason: str | None = None,
+        self, kind: EventKind, index: int, forwards: int, **details: Unpack[EventDetails]
     ) -> Event:
-        first = self.dense.trigger(forwards)
         event = Event(
             event_id=next(self._ids),
             kind=kind,
             forward_index=index,
             timestamp_us=now_us(),
-            dense_first_forward=first,
+            dense_first_forward=self.dense.trigger(forwards),
             dense_forwards=forwards,
-            signal=signal,
-            layers=layers,
-            module_types=module_types,
-            tensor_paths=tensor_paths,
-            reason=reason,
-            value=value,
-            replay=replay,
-            replay_reason=replay_reason,
+            **details,
         )
         with self._lock:
             self.events.append(event)
@@ -679,99 +590,6 @@ class FlightRecorder:
             hook, self._step_hook = self._step_hook, None
         if hook is not None:
             hook.remove()
-
-
-class _GradientFlush:
-    """The gradient flags one backward delivers to one root forward, read when it ends."""
-
-    __slots__ = ("flags", "forward", "queued", "recorder")
-
-    def __init__(self, recorder: weakref.ref[FlightRecorder], forward: _Forward) -> None:
-        self.recorder = recorder
-        self.forward = forward
-        self.flags = Flags()
-        self.queued = False
-
-    def _queue(self) -> None:
-        if not self.queued:
-            self.queued = True
-            _torch.queue_callback(self.flush)
-
-    def flush(self) -> None:
-        recorder = self.recorder()
-        flags, self.flags = self.flags, Flags()
-        self.queued = False
-        if self.forward.gradients is self:
-            self.forward.gradients = None
-        if recorder is None or recorder.closed:
-            return
-        try:
-            recorder.gradients_checked(self.forward.index, flags)
-        except Exception as error:
-            recorder._errors.handle(SENTINEL_STAGE, error)
-
-
-class GradientCheck:
-    """Pre-hook of the backward node that produced a checked output: checks the gradient
-    flowing into that output (the node's output ``output_nr``); never changes it."""
-
-    __slots__ = ("__weakref__", "forward", "layer", "output_nr", "path", "recorder")
-
-    def __init__(
-        self,
-        recorder: weakref.ref[FlightRecorder],
-        forward: _Forward,
-        layer: int,
-        path: str,
-        output_nr: int,
-    ) -> None:
-        self.recorder = recorder
-        self.forward = forward
-        self.layer = layer
-        self.path = path
-        self.output_nr = output_nr
-
-    def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
-        watch = self.forward.watch
-        if watch is not None:  # (made before this check was hooked)
-            watch.ran = True
-        recorder = self.recorder()
-        if recorder is None or recorder.closed:
-            return
-        grad = grad_outputs[self.output_nr]
-        if grad is None:
-            return
-        try:
-            forward = self.forward
-            slots = recorder.gradient_slots
-            if slots.active and _slot_check(
-                slots, forward.gradient_calls, self.layer, self.path, grad
-            ):
-                return
-            flush = forward.gradients
-            if flush is None:
-                flush = forward.gradients = _GradientFlush(self.recorder, forward)
-            flush.flags.add(self.layer, self.path, grad)
-            if not flush.queued:
-                flush._queue()
-        except Exception as error:
-            recorder._errors.handle(SENTINEL_STAGE, error)
-
-
-def _slot_check(
-    slots: FlagSlots, calls: dict[tuple[int, str], int], layer: int, path: str, tensor: Tensor
-) -> bool:
-    """A compiled run's eager check (an output, or a gradient) into a slot of its own, so its
-    order against the compiled graphs' checks is exact (``calls``: the root forward's count
-    of such checks per tensor); False when it gets none (then it is checked as usual)."""
-    values = real_values(tensor)
-    if values is None:
-        return True  # nothing to check
-    slot = slots.eager_slot(calls, layer, path, values.device)
-    if slot < 0:
-        return False
-    slots.flag(slot, values)
-    return True
 
 
 __all__ = ["SENTINEL_STAGE", "FlightRecorder", "GradientCheck"]
