@@ -29,7 +29,7 @@ from ti_io.read.row_groups import HistoryFiles, read_row_groups
 
 READ: Final[tuple[str, ...]] = (*TENSOR_KEYS, "metric", "sample_id", "forward_index", "value")
 """The ``ti.history`` columns the pass reads."""
-_FOLD_ROWS: Final[int] = 1 << 20
+_FOLD_ROWS: Final[int] = 1 << 18
 """Kept rows aggregated at once (a bounded batch: memory stays flat)."""
 _COMPACT_EVERY: Final[int] = 32
 """Partial aggregates of this many row groups are merged into one (memory stays flat)."""
