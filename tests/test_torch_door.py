@@ -34,6 +34,7 @@ TORCH_PRIVATE_ATTRIBUTES: Final[frozenset[str]] = frozenset(
         "_local_tensor",
         "_foreach_norm",
         "_current_graph_task_id",
+        "_orig_mod",
     }
 )
 """Private attributes of torch's objects (modules, tensors, the autograd engine) that a file

@@ -126,6 +126,19 @@ def test_any_autocast_flag_follows_autocast() -> None:
     assert _torch.any_autocast_enabled() is False
 
 
+def test_a_compiled_module_wraps_the_original_as_orig_mod() -> None:
+    """Layer names are the bare model's: ``torch.compile``'s wrapper is peeled
+    (``OptimizedModule._orig_mod``; selection.py, the replay's DDP check)."""
+    layer = nn.Linear(2, 2)
+    compiled = torch.compile(layer)  # nothing is compiled until a call
+    assert type(compiled).__name__ == "OptimizedModule"
+    assert _torch.compiled_inner(compiled) is layer
+    assert _torch.compiled_inner(layer) is None
+    impostor = nn.Module()
+    impostor._orig_mod = layer  # type: ignore[assignment]  # not an OptimizedModule
+    assert _torch.compiled_inner(impostor) is None
+
+
 def test_foreach_norm_equals_each_tensors_norm() -> None:
     """The flight recorder's one fused check of every parameter gradient
     (``torch._foreach_norm``)."""

@@ -96,6 +96,15 @@ def foreach_norm(
     return list(torch._foreach_norm(tensors, order, dtype=dtype))
 
 
+def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a ``torch.compile``'d ``OptimizedModule`` wraps (its ``_orig_mod``); None for
+    any other module (a module of another class with such an attribute included)."""
+    inner = getattr(module, "_orig_mod", None)
+    if isinstance(inner, torch.nn.Module) and type(module).__name__ == "OptimizedModule":
+        return inner
+    return None
+
+
 def default_store() -> Any | None:
     """The key-value store ``init_process_group`` created (the rendezvous store every rank of
     the job reaches), or None when no default process group is initialized (or torch has no
@@ -213,6 +222,7 @@ __all__ = [
     "any_autocast_enabled",
     "assume_constant_result",
     "backward_writes_keep_versions",
+    "compiled_inner",
     "compiler_config",
     "current_compile_id",
     "current_graph_task_id",

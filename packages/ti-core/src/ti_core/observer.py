@@ -39,7 +39,8 @@ from ti_core.reduction.plan import ReductionPlan
 from ti_core.sampling import Sampler
 from ti_core.selection import unwrap_model
 from ti_core.sentinel import DenseSampler, FlightRecorder, Sentinel
-from ti_core.sentinel.replay import Replayer, reduced_across_ranks
+from ti_core.sentinel.replay import Replayer
+from ti_core.sentinel.replay_context import reduced_across_ranks
 from ti_core.sink import RunInfo, Sink, SinkCapabilities
 from ti_schema import DEFAULT_SIGNALS, PARAMETER_SIGNALS, events_schema
 

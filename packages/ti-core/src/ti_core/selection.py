@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ti_core import _torch
 from ti_core.sink import LayerInfo
 
 Selector = Callable[[str, nn.Module], bool]
@@ -57,8 +58,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """
     wrappers = _data_parallel_types()
     while True:
-        inner = getattr(model, "_orig_mod", None)
-        if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+        inner = _torch.compiled_inner(model)
+        if inner is not None:
             model = inner
             continue
         wrapped = getattr(model, "module", None)
@@ -74,8 +75,8 @@ def compiled_wrappers(model: nn.Module) -> list[nn.Module]:
     wrappers = _data_parallel_types()
     found: list[nn.Module] = []
     while True:
-        inner = getattr(model, "_orig_mod", None)
-        if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+        inner = _torch.compiled_inner(model)
+        if inner is not None:
             found.append(model)
             model = inner
             continue

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from ti_core import _torch
 from ti_core.capture.paths import tensor_leaves
+from ti_core.sentinel import replay_context
 from ti_core.sentinel.flags import real_values
 from ti_schema import ReplayVerdict
 
@@ -236,7 +237,7 @@ class Replayer:
         """Re-run ``step`` (its forward; with ``signal`` ``output_gradient`` its backward too)
         and judge it (module docstring). ``device``: where the step's result was not finite
         (named when the replay is clean)."""
-        why = collectives_in_forward(self._eager) or step.why_not_replayable()
+        why = replay_context.collectives_in_forward(self._eager) or step.why_not_replayable()
         gradients = signal == "output_gradient"
         if why is None and gradients and not step.output_grads:
             why = (
@@ -255,12 +256,12 @@ class Replayer:
         probes = _Probes(self._modules, findings, gradients)
         with (
             self._bypass(),
-            _eager_stance(),
-            _rng(step),
-            _buffers_kept(self._eager),
-            _attributes_kept(self._eager),
+            replay_context.eager_stance(),
+            replay_context.rng_of(step.cpu_rng, step.cuda_rng),
+            replay_context.buffers_kept(self._eager),
+            replay_context.attributes_kept(self._eager),
             torch.set_grad_enabled(gradients),  # a forward's values do not depend on it
-            _autocast(step.autocast),
+            replay_context.autocast(step.autocast),
             probes.installed(),
         ):
             output = self._eager(*step.args, **step.kwargs)
@@ -298,26 +299,7 @@ class Replayer:
     def _judge(self, findings: list[Finding], gradients: bool, device: str) -> Verdict:
         where = f"rank {self._rank}, device {device}"
         if not findings:
-            if gradients and self._reduced():
-                return Verdict(
-                    "from_another_rank",
-                    f"this rank's own forward and backward replay clean ({where}) while its "
-                    "gradients, reduced across ranks, were not finite: the non-finite value "
-                    "came from another rank through the reduction",
-                )
-            what = "gradients were" if gradients else "output was"
-            ranks = world_size()
-            maybe = (
-                f" (or, if this process group of {ranks} ranks reduces the gradients, a value "
-                "from another rank)"
-                if gradients and ranks > 1
-                else ""
-            )
-            return Verdict(
-                "not_reproduced",
-                f"the step's {what} not finite ({where}) but its replay is clean: a transient "
-                f"fault of the device or a non-deterministic kernel{maybe}",
-            )
+            return self._clean(gradients, where)
         first = findings[0]
         kind = first.kind
         if kind == "input":
@@ -371,6 +353,34 @@ class Replayer:
                 (ROOT,),
                 (first.path,),
             )
+        return self._backward_verdict(findings, first)
+
+    def _clean(self, gradients: bool, where: str) -> Verdict:
+        """The verdict of a replay that found nothing: another rank's value, or a transient
+        fault."""
+        if gradients and self._reduced():
+            return Verdict(
+                "from_another_rank",
+                f"this rank's own forward and backward replay clean ({where}) while its "
+                "gradients, reduced across ranks, were not finite: the non-finite value "
+                "came from another rank through the reduction",
+            )
+        what = "gradients were" if gradients else "output was"
+        ranks = replay_context.world_size()
+        maybe = (
+            f" (or, if this process group of {ranks} ranks reduces the gradients, a value "
+            "from another rank)"
+            if gradients and ranks > 1
+            else ""
+        )
+        return Verdict(
+            "not_reproduced",
+            f"the step's {what} not finite ({where}) but its replay is clean: a transient "
+            f"fault of the device or a non-deterministic kernel{maybe}",
+        )
+
+    def _backward_verdict(self, findings: list[Finding], first: Finding) -> Verdict:
+        """The verdict when the first finding is in the backward below the root's output."""
         # The backward: probes on one tensor fire together (its producer's output, its
         # consumers' input): a consumer made it when one watches it.
         same = [f for f in findings if f.tensor == first.tensor]
@@ -530,132 +540,11 @@ class _ParameterProbe:
             self.findings.append(Finding("parameter_gradient", self.layer, self.path, (0, 0)))
 
 
-@contextlib.contextmanager
-def _eager_stance() -> Iterator[None]:
-    """Compiled code (``torch.compile``, ``module.compile()``) runs eagerly for the replay:
-    nothing is compiled, no cached graph is touched."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    if set_stance is None:  # pragma: no cover - torch < 2.6
-        yield
-        return
-    with set_stance("force_eager"):
-        yield
-
-
-@contextlib.contextmanager
-def _rng(step: StepRecord) -> Iterator[None]:
-    """The step's RNG states for the replay; the current ones again after it."""
-    cpu = torch.get_rng_state()
-    cuda = [(d, torch.cuda.get_rng_state(d)) for d, _ in step.cuda_rng]
-    torch.set_rng_state(step.cpu_rng)
-    for device, state in step.cuda_rng:
-        torch.cuda.set_rng_state(state, device)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        for device, state in cuda:
-            torch.cuda.set_rng_state(state, device)
-
-
-@contextlib.contextmanager
-def _buffers_kept(module: nn.Module) -> Iterator[None]:
-    """Every buffer of ``module`` as it was before the replay, after it (in place, through
-    ``.data``: its version counter does not move, so an autograd graph of the step that saved
-    it, BatchNorm's running statistics, still runs its backward)."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.data.copy_(value)
-
-
-_PLAIN: Final = (int, float, bool, str, type(None))
-
-
-@contextlib.contextmanager
-def _attributes_kept(module: nn.Module) -> Iterator[None]:
-    """The plain attributes (numbers, strings, None) of every submodule as they were before
-    the replay, after it: a call counter or a step number the forward advances is not moved by
-    the replay (other Python state its forward changes, a list it appends to, is)."""
-    saved = [
-        (m.__dict__, {k: v for k, v in m.__dict__.items() if type(v) in _PLAIN})
-        for m in module.modules()
-    ]
-    try:
-        yield
-    finally:
-        for attributes, values in saved:
-            for key, value in values.items():
-                if attributes.get(key, value) is not value:
-                    attributes[key] = value
-
-
-@contextlib.contextmanager
-def _autocast(states: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for device, dtype in states:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
-        yield
-
-
-def world_size() -> int:
-    """Ranks of the default process group (1 when there is none)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return int(torch.distributed.get_world_size())
-    return 1
-
-
-def reduced_across_ranks(root: nn.Module) -> bool:
-    """Whether ``root``'s parameter gradients are known to be reduced across ranks in its
-    backward: a ``DistributedDataParallel`` wrapper (under ``torch.compile``'s or not) in a
-    process group of more than one rank."""
-    if world_size() < 2:
-        return False
-    from torch.nn.parallel import DistributedDataParallel
-
-    module: nn.Module = root
-    while True:
-        if isinstance(module, DistributedDataParallel):
-            return True
-        inner = getattr(module, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return False
-        module = inner
-
-
-def collectives_in_forward(eager: nn.Module) -> str | None:
-    """Why re-running ``eager``'s forward on one rank would run collectives the other ranks
-    do not (FSDP's all-gathers, tensor-parallel ``DTensor`` parameters); None when it would
-    not."""
-    for module in eager.modules():
-        kind = type(module)
-        if any(
-            base.__name__.startswith(("FSDP", "FullyShardedDataParallel")) for base in kind.__mro__
-        ):
-            return (
-                f"{kind.__name__} gathers its parameters across ranks in every forward: a "
-                "replay on this rank alone would wait for the others"
-            )
-    for name, parameter in eager.named_parameters():
-        if type(parameter).__name__ == "DTensor" or type(parameter.data).__name__ == "DTensor":
-            return (
-                f"the parameter {name} is a DTensor (sharded across ranks): a replay on this "
-                "rank alone would run collectives the others do not"
-            )
-    return None
-
-
 __all__ = [
     "ROOT",
     "Finding",
     "Replayer",
     "StepRecord",
     "Verdict",
-    "collectives_in_forward",
     "nonfinite",
-    "reduced_across_ranks",
-    "world_size",
 ]
