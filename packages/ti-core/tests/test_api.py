@@ -429,6 +429,15 @@ def test_the_options_are_declared_once_and_typed_alike() -> None:
         TypeError, match=r"inject_observer\(\) got unexpected keyword argument\(s\) samplr"
     ):
         inject_observer(small_model(), samplr=None)  # type: ignore[call-arg]
+    # the model is checked first, as when the options were keyword parameters
+    observed = small_model()
+    with (
+        observe(observed, output_dir=None, sink=MemorySink()),
+        pytest.raises(ObserverAlreadyAttachedError),
+    ):
+        inject_observer(observed, signals=())
+    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module"):
+        inject_observer("model", signals=())  # type: ignore[arg-type]
     # defaults: what a plain inject_observer(model) records
     default = Options()
     assert default.output_dir == "stats"

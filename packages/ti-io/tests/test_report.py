@@ -88,6 +88,53 @@ def test_each_cell_is_the_mean_min_and_max_of_its_samples(run: Path) -> None:
     assert grid.sample_at_forward(-1) is None
 
 
+def test_latest_and_window_means_are_result_jsons_nan_included(tmp_path: Path) -> None:
+    """The per-layer numbers are result.json's: window means over each tensor's last
+    observations (a tensor recorded every third sample has windows of observations, not of
+    samples), and a NaN at the end shows as NaN, never hidden by the finite ones."""
+    values = list(STD["fc1"])
+    series = {
+        ("fc1", "output", "std"): [*values[:-2], math.nan, math.nan],
+        ("fc2", "output", "std"): [v if i % 3 == 0 else NO_ROW for i, v in enumerate(values)],
+        ("act", "output", "std"): values,
+    }
+    run = write_run(tmp_path / "run", series, window=4)
+    opened = open_runs([run], minimum=1)[0]
+    grid = read_grid(
+        history_files_of(run), opened.samples, [("output", "std")], columns=7, window=4
+    )
+    tensors = grid.panels[("output", "std")].tensors
+    records = json.loads((run / "result.json").read_text(encoding="utf-8"))
+    for record in records:
+        row = tensors.filter(pl.col("layer") == record["layer"]).row(0, named=True)
+        expected = record["tensors"][0]["statistics"]["std"]
+        for key in ("recent_window_mean", "previous_window_mean"):
+            if expected[key] is None and row[key] is not None:
+                assert math.isnan(row[key]), (record["layer"], key)  # JSON has no NaN
+            else:
+                assert row[key] == pytest.approx(expected[key], rel=1e-12), (record["layer"], key)
+    fc1 = tensors.filter(pl.col("layer") == "fc1").row(0, named=True)
+    assert math.isnan(fc1["latest"])
+    assert math.isnan(fc1["recent_window_mean"])
+    fc2 = tensors.filter(pl.col("layer") == "fc2").row(0, named=True)
+    every_third = np.asarray(values[::3])
+    assert fc2["recent_window_mean"] == pytest.approx(every_third[-4:].mean(), rel=1e-12)
+    page = write_report(run, tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "<span class='bad'>nan</span>" in page
+
+
+def test_a_part_published_after_the_samples_were_listed_is_left_out(tmp_path: Path) -> None:
+    """A live run publishes parts while it is read: rows of samples not in the list read
+    first are left out (as if read a moment earlier), not a crash or a wrong column."""
+    live = write_run(tmp_path / "live", _series(), finalize=False)
+    opened = open_runs([live], minimum=1)[0]
+    earlier = opened.samples[:-3]
+    grid = read_grid(history_files_of(live), earlier, [("output", "std")], columns=400, window=5)
+    panel = grid.panels[("output", "std")]
+    assert panel.mean.shape == (3, SAMPLES - 3)
+    assert panel.tensors.get_column("latest_sample").max() == SAMPLES - 4
+
+
 def test_more_columns_than_samples_gives_one_column_per_sample(run: Path) -> None:
     opened = open_runs([run], minimum=1)[0]
     grid = read_grid(
@@ -113,7 +160,9 @@ def test_a_run_that_stops_recording_shows_gaps_not_zeros(tmp_path: Path) -> None
     fc1 = panel.tensors.get_column("layer").to_list().index("fc1")
     assert np.isnan(panel.mean[fc1, 12:]).all()
     np.testing.assert_array_equal(panel.mean[fc1, :12], np.asarray(GRAD["fc1"][:12]))
-    assert panel.tensors.row(fc1, named=True)["recent_window_mean"] is None
+    # result.json's window: its last 5 observations (samples 7..11), not the run's last samples
+    recent = panel.tensors.row(fc1, named=True)["recent_window_mean"]
+    assert recent == pytest.approx(np.mean(GRAD["fc1"][7:12]), rel=1e-12)
     page = write_report(broken, tmp_path / "r.html").read_text(encoding="utf-8")
     assert page.count("(sample 11)") == 1  # fc1's gradient: its latest value, and when
 
@@ -170,7 +219,9 @@ def test_the_page_is_self_contained_and_holds_the_runs_numbers(tmp_path: Path) -
     rows = heat[1]["y"]
     fc2 = rows.index("fc2")
     np.testing.assert_allclose(custom[fc2, :, 0], 1000.0 * np.asarray(STD["fc2"]), rtol=1e-6)
-    # the event: a mark at the sample taken at or before its forward (62 -> sample 12)
+    # columns are given by their edges, so a column spans its samples exactly; the event is a
+    # mark at the sample taken at or before its forward (62 -> sample 12)
+    assert _decoded(heat[1]["x"]).tolist() == list(range(SAMPLES + 1))
     lines = [shape for shape in layout.get("shapes", []) if shape["type"] == "line"]
     assert [line["x0"] for line in lines] == [12]
     assert any("nonfinite" in note["text"] for note in layout["annotations"])
@@ -361,6 +412,20 @@ def test_without_plotly_the_error_names_the_extra(run: Path, tmp_path: Path) -> 
     assert done.returncode != 0
     assert 'pip install "ti-io[report]"' in done.stderr
     assert not (tmp_path / "r.html").exists()
+
+
+def test_layer_names_are_names_not_patterns_in_the_ratio_view(tmp_path: Path) -> None:
+    layers = ("head[0]", "fc*")
+    series = {(layer, "output", "std"): STD["fc1"] for layer in layers}
+    a = write_run(tmp_path / "a", series, layers=layers)
+    b = write_run(
+        tmp_path / "b", {k: [2 * v for v in vs] for k, vs in series.items()}, layers=layers
+    )
+    page = write_report([a, b], tmp_path / "r.html", layers=["head[[]0]", "fc[*]"])
+    text = page.read_text(encoding="utf-8")
+    ratios = _figure_json(text, "ratios")["data"][0]
+    assert sorted(ratios["y"]) == ["fc*", "head[0]"]
+    np.testing.assert_allclose(_decoded(ratios["customdata"])[:, 0], 2.0, rtol=1e-6)
 
 
 def test_the_ratio_figure_centres_on_one(run: Path, tmp_path: Path) -> None:

@@ -195,6 +195,7 @@ def inject_observer(model: nn.Module, **options: Unpack[ObserverOptions]) -> Non
     :func:`~ti_core.inject_stage_observer` records a pipeline stage's this way). A key ti-core
     records itself is refused.
     """
+    _check_model(model)  # first, as before the options were one object
     attach(model, Options.of(options, "inject_observer"))
 
 
@@ -202,15 +203,7 @@ def attach(model: nn.Module, options: Options) -> None:
     """Attach an observer to ``model`` with ``options`` (what :func:`inject_observer` does once
     its keyword arguments are an :class:`~ti_core.options.Options`): everything is resolved and
     checked, then the sinks are opened, then the hooks installed."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module "
-            "itself (for a Lightning or HF wrapper, its nn.Module)"
-        )
-    if has_observer(model):
-        raise ObserverAlreadyAttachedError(
-            f"{type(model).__name__} already has an observer; call remove_observer(model) first"
-        )
+    _check_model(model)
     sampler = _resolve_sampler(options.sampler, options.interval)
     policy = resolve.rank_policy(options.rank_policy)
     check_compiled_model(model)
@@ -287,6 +280,19 @@ def attach(model: nn.Module, options: Options) -> None:
     model.__dict__[ATTRIBUTE] = observer
     observer.attach(model)
     preemption.watch(observer, handle_sigterm=options.handle_sigterm)
+
+
+def _check_model(model: object) -> None:
+    """A module without an observer, or the error that says what to pass instead."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module "
+            "itself (for a Lightning or HF wrapper, its nn.Module)"
+        )
+    if has_observer(model):
+        raise ObserverAlreadyAttachedError(
+            f"{type(model).__name__} already has an observer; call remove_observer(model) first"
+        )
 
 
 def _open_sinks(sinks: Sequence[Sink], run: RunInfo) -> None:

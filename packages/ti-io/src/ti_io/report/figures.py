@@ -173,12 +173,12 @@ def panel_figure(
         figure.add_trace(
             go.Heatmap(
                 z=scale.colour(mean),
-                x=grid.column_samples,
+                x=grid.column_edges,  # edges: a column spans its samples exactly
                 y=y,
                 customdata=np.stack([mean, low, high], axis=-1).astype(np.float32),
                 coloraxis="coloraxis",
                 hovertemplate=(
-                    "%{y}<br>samples from %{x}<br>mean %{customdata[0]:.4g}"
+                    "%{y}<br>around sample %{x:.0f}<br>mean %{customdata[0]:.4g}"
                     "<br>min %{customdata[1]:.4g}, max %{customdata[2]:.4g}<extra></extra>"
                 ),
                 hoverongaps=False,

@@ -6,9 +6,10 @@ a column being a run of consecutive samples (at most ``columns`` of them, equal 
 samples each). A cell keeps the minimum, maximum, sum and count of its finite values (the
 min/max envelope and the mean of the samples it covers), so the page's size and the reader's
 memory grow with tensors x columns, never with the run's length. The same pass keeps each
-tensor's latest value and its recent and previous window means (the last ``window`` samples
-and the ``window`` before, as result.json defines them) and the forward index of each sample
-(where the events go on the time axis).
+tensor's latest value (NaN and infinity as they are) and its last ``2 * window``
+observations, from which its window means are taken with result.json's own expressions
+(:mod:`ti_io.read.aggregates`), and the forward index of each sample (where the events go on
+the time axis).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ti_io.progress import ProgressCallback, Steps
+from ti_io.read.aggregates import TAIL, tail_expr, window_exprs
 from ti_io.read.ordering import TENSOR_KEYS, ordered
 from ti_io.read.row_groups import HistoryFiles, read_row_groups
 
@@ -61,12 +63,20 @@ class RunGrid:
 
     panels: dict[Panel, PanelGrid]
     column_samples: npt.NDArray[np.int64]
-    """The first sample id of each column (the x axis)."""
+    """The first sample id of each column."""
+    end_sample: int
+    """One past the last sample id (the last column's right edge)."""
     samples: npt.NDArray[np.int64]
     """Every sample id of the run, ascending."""
     sample_forwards: npt.NDArray[np.int64]
     """The root forward index of each of ``samples``."""
     rows_read: int
+
+    @property
+    def column_edges(self) -> npt.NDArray[np.int64]:
+        """The columns' edges on the sample axis (one more than the columns): column ``c``
+        covers samples ``edges[c]`` to ``edges[c + 1] - 1``."""
+        return np.append(self.column_samples, self.end_sample).astype(np.int64)
 
     def sample_at_forward(self, forward: int) -> int | None:
         """The last sample taken at or before root forward ``forward`` (None: before the
@@ -94,10 +104,6 @@ _CELL_MERGE: Final[tuple[pl.Expr, ...]] = (
 _TENSOR_MERGE: Final[tuple[pl.Expr, ...]] = (
     pl.col("latest").sort_by("latest_sample").last(),
     pl.col("latest_sample").max(),
-    pl.col("recent_total").sum(),
-    pl.col("recent_count").sum(),
-    pl.col("previous_total").sum(),
-    pl.col("previous_count").sum(),
 )
 _PLAIN: Final[pl.Expr] = pl.col(pl.Categorical).cast(pl.String)
 """Rows are grouped by their dictionary codes; the few aggregated rows get plain strings."""
@@ -107,9 +113,13 @@ _KEYS: Final[list[str]] = ["signal", "metric", *(k for k in TENSOR_KEYS if k != 
 class _Folded:
     """Partial aggregates of the row groups read so far, merged every few groups."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int) -> None:
+        self.window = window
         self.cells: list[pl.DataFrame] = []
         self.tensors: list[pl.DataFrame] = []
+        self.tails: list[pl.DataFrame] = []
+        """Each tensor's last ``2 * window`` observations (non-null values, NaN included):
+        what result.json's window means are taken from."""
         self.forwards: list[pl.DataFrame] = []
 
     def add(self, rows: pl.DataFrame) -> None:
@@ -124,22 +134,26 @@ class _Folded:
             )
             .with_columns(_PLAIN)
         )
-        recent = pl.col("window") == 2
-        previous = pl.col("window") == 1
         self.tensors.append(
             rows.group_by(*_KEYS)
             .agg(
-                value.sort_by("sample_id").last().alias("latest"),
+                pl.col("value").sort_by("sample_id").last().alias("latest"),
                 pl.col("sample_id").max().alias("latest_sample"),
-                value.filter(recent).sum().alias("recent_total"),
-                value.filter(recent).count().cast(pl.Int64).alias("recent_count"),
-                value.filter(previous).sum().alias("previous_total"),
-                value.filter(previous).count().cast(pl.Int64).alias("previous_count"),
             )
             .with_columns(_PLAIN)
         )
+        self.tails.append(self._tail(rows.filter(pl.col("value").is_not_null())))
         if len(self.cells) >= _COMPACT_EVERY:
             self.compact()
+
+    def _tail(self, rows: pl.DataFrame) -> pl.DataFrame:
+        return (
+            rows.select(*_KEYS, "sample_id", "value")
+            .sort("sample_id")
+            .group_by(*_KEYS, maintain_order=True)
+            .tail(2 * self.window)
+            .with_columns(_PLAIN)
+        )
 
     def add_forwards(self, pairs: pl.DataFrame) -> None:
         self.forwards.append(pairs)
@@ -152,6 +166,8 @@ class _Folded:
         if self.tensors:
             latest = pl.concat(self.tensors).sort("latest_sample")
             self.tensors = [latest.group_by(*_KEYS).agg(*_TENSOR_MERGE)]
+        if self.tails:
+            self.tails = [self._tail(pl.concat(self.tails))]
 
 
 def read_grid(
@@ -171,14 +187,8 @@ def read_grid(
     ordered_samples = np.unique(np.asarray(samples, dtype=np.int64))
     width = max(1, min(columns, ordered_samples.size))
     column_of = _column_of(ordered_samples, width)
-    position = np.arange(ordered_samples.size, dtype=np.int64)
-    window_of = np.where(
-        position >= ordered_samples.size - window,
-        2,
-        np.where(position >= ordered_samples.size - 2 * window, 1, 0),
-    )
     chosen = set(layers)
-    folded = _Folded()
+    folded = _Folded(window)
     steps = Steps(progress, files.total_rows)
     signals = {signal for signal, _ in panels}
     metrics = {metric for _, metric in panels}
@@ -199,12 +209,18 @@ def read_grid(
             rows = rows.filter(exact)
             if rows.is_empty():
                 return
-        at = np.searchsorted(ordered_samples, rows.get_column("sample_id").to_numpy())
-        folded.add(
-            rows.with_columns(
-                pl.Series("column", column_of[at]), pl.Series("window", window_of[at])
-            )
+        ids = rows.get_column("sample_id").to_numpy()
+        at = np.searchsorted(ordered_samples, ids)
+        # A live run's part published after ``samples`` was read holds later samples: left
+        # out, as if read a moment earlier.
+        known = (at < ordered_samples.size) & (
+            ordered_samples[np.minimum(at, ordered_samples.size - 1)] == ids
         )
+        if not known.all():
+            rows, at = rows.filter(pl.Series(known)), at[known]
+            if rows.is_empty():
+                return
+        folded.add(rows.with_columns(pl.Series("column", column_of[at])))
 
     for group in read_row_groups(files.paths, list(READ)):
         table = group.table
@@ -241,6 +257,7 @@ def read_grid(
     return RunGrid(
         panels=grids,
         column_samples=ordered_samples[starts] if ordered_samples.size else starts,
+        end_sample=int(ordered_samples[-1]) + 1 if ordered_samples.size else 0,
         samples=forwards.get_column("sample_id").to_numpy().astype(np.int64),
         sample_forwards=forwards.get_column("forward_index").to_numpy().astype(np.int64),
         rows_read=steps.done,
@@ -283,18 +300,27 @@ def _holds(tensors: pl.DataFrame, panel: Panel) -> bool:
 def _panel_grid(panel: Panel, folded: _Folded, width: int, order: Sequence[str]) -> PanelGrid:
     signal, metric = panel
     mine = (pl.col("signal") == signal) & (pl.col("metric") == metric)
-    tensors = folded.tensors[0].filter(mine)
-    tensors = ordered(tensors, layers=order).with_columns(
-        (pl.col("recent_total") / pl.col("recent_count")).alias("recent_window_mean"),
-        (pl.col("previous_total") / pl.col("previous_count")).alias("previous_window_mean"),
+    windows = (
+        folded.tails[0]
+        .filter(mine)
+        .sort("sample_id")
+        .group_by(*_KEYS)
+        .agg(tail_expr(folded.window))
+        .with_columns(window_exprs(folded.window))
+        .drop(TAIL)
     )
-    tensors = tensors.with_row_index("row").select(
-        "row",
-        *TENSOR_KEYS,
-        "latest_sample",
-        "latest",
-        pl.when(pl.col("recent_count") > 0).then(pl.col("recent_window_mean")),
-        pl.when(pl.col("previous_count") > 0).then(pl.col("previous_window_mean")),
+    tensors = folded.tensors[0].filter(mine).join(windows, on=_KEYS, how="left", nulls_equal=True)
+    tensors = (
+        ordered(tensors, layers=order)
+        .with_row_index("row")
+        .select(
+            "row",
+            *TENSOR_KEYS,
+            "latest_sample",
+            "latest",
+            "recent_window_mean",
+            "previous_window_mean",
+        )
     )
     cells = (
         folded.cells[0]

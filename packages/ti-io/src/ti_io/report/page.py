@@ -10,9 +10,11 @@ destination and renamed into place, so a failure leaves no partial page.
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import html
 import itertools
 import os
+import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -83,7 +85,7 @@ def _selected_panels(
         asked = [p for p in DEFAULT_PANELS if p[0] in chosen_signals] or [
             (s, "std") for s in chosen_signals
         ]
-    precision = [m for m in held if m.partition(".")[0] in PRECISION_METRICS]
+    precision = sorted(m for m in held if m.partition(".")[0] in PRECISION_METRICS)
     health = [
         (s, m)
         for s in (signals or SIGNALS)
@@ -121,7 +123,7 @@ def write_report(
     0): layers as rows in model order, samples as columns (at most ``columns``, each the mean
     of the samples it covers, its min/max on hover), the runs side by side on one colour
     scale (log where values >= 0 span more than 20x), the events as marks; per layer,
-    a sparkline with the latest, recent and previous window means; with several runs, each
+    a sparkline with the latest value and result.json's window means; with several runs, each
     tensor's recent window mean over the first run's (``ti compare``'s ``recent_ratio``).
     ``layers``: globs. ``locations``: what the page names as each run's location (default:
     its directory; ``ti report`` passes a URI it read through a local copy). Memory is
@@ -203,16 +205,20 @@ def _ratios(
             runs,
             signal=sorted({s for s, _ in panels}),
             metric=sorted({m for _, m in panels}),
-            layer=list(layers) or None,
+            layer=[glob.escape(name) for name in layers] or None,  # names, not patterns
         )
     except ValueError as exc:
         return str(exc)
 
 
 def _write_atomically(path: Path, text: str) -> Path:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """``text`` at ``path``, whole or not at all: written to a new private file beside it
+    (``mkstemp``: never a file or link already there), then renamed over it."""
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temporary = Path(name)
     try:
-        temporary.write_text(text, encoding="utf-8")
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
@@ -237,8 +243,10 @@ def _e(value: object) -> str:
 
 
 def _number(value: object) -> str:
-    if value is None or (isinstance(value, float) and not np.isfinite(value)):
-        return "" if value is None else _e(value)
+    if value is None:
+        return ""
+    if isinstance(value, float) and not np.isfinite(value):
+        return f"<span class='bad'>{_e(value)}</span>"  # a NaN or infinity shows as one
     return _e(f"{value:.4g}") if isinstance(value, float) else _e(value)
 
 
