@@ -11,6 +11,7 @@ from ti_io.cli.options import positive, progress_flag
 from ti_io.cli.remote import is_uri
 from ti_io.cli.status import OK, UsageError
 from ti_io.progress import TerminalProgress
+from ti_io.read.compare import unique_labels
 from ti_schema import SIGNALS
 
 if TYPE_CHECKING:
@@ -81,17 +82,13 @@ def check_usage(args: argparse.Namespace) -> None:
 
 
 def _labels(given: list[str]) -> list[str]:
-    """Run labels: a URI's last path part or a directory's name, lengthened until unique."""
-    parts = [
-        PurePosixPath(g.split("://", 1)[1]).parts if is_uri(g) else Path(g).resolve().parts
-        for g in given
-    ]
-    depth = 1
-    while True:
-        labels = ["/".join(p[-depth:]) for p in parts]
-        if len(set(labels)) == len(labels) or depth >= max(len(p) for p in parts):
-            return labels
-        depth += 1
+    """Run labels as ``ti compare`` makes them, a URI's path counting as its parts."""
+    return unique_labels(
+        [
+            PurePosixPath(g.split("://", 1)[1]).parts if is_uri(g) else Path(g).resolve().parts
+            for g in given
+        ]
+    )
 
 
 def run(args: argparse.Namespace) -> int:

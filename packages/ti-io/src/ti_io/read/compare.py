@@ -288,7 +288,12 @@ def _labelled(runs: Runs, minimum: int) -> dict[str, RunPath]:
 
 def _unique_labels(paths: list[Path]) -> list[str]:
     """Directory names, lengthened by parent folders until they differ (``a/stats``)."""
-    parts = [p.resolve().parts for p in paths]
+    return unique_labels([p.resolve().parts for p in paths])
+
+
+def unique_labels(parts: Sequence[Sequence[str]]) -> list[str]:
+    """Labels of runs given as their paths' parts: the last part of each, lengthened by the
+    parts before it until the labels differ (``a/stats``)."""
     depth = 1
     while True:
         labels = ["/".join(p[-depth:]) for p in parts]

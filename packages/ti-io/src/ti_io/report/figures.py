@@ -30,6 +30,7 @@ except ImportError as _import_error:
     ) from _import_error
 
 from ti_io.read.ordering import TENSOR_KEYS
+from ti_io.read.summary import display_name
 from ti_io.report.grid import Panel, PanelGrid, RunGrid
 
 LOG_SPAN: Final[float] = 20.0
@@ -45,11 +46,18 @@ def plain(text: str) -> str:
     return html.escape(text, quote=False)
 
 
-def tensor_label(key: dict[str, Any], varying: set[str]) -> str:
-    """A tensor's row label: its layer (``(root)`` for the root), with the call, tensor path
-    and context where the panel's tensors differ in them."""
-    layer = str(key["layer"]) or "(root)"
-    parts = [layer if layer.isprintable() else repr(layer)[1:-1]]
+def tensor_labels(keys: Sequence[dict[str, Any]]) -> list[str]:
+    """Each tensor's row label: its layer as ``ti summary`` shows it (``(root)`` for the root,
+    control characters escaped), with the call, tensor path and context where the tensors
+    differ in them."""
+    varying = {
+        name for name in ("call_index", "mode", "grad_enabled") if len({k[name] for k in keys}) > 1
+    }
+    return [_label(key, varying) for key in keys]
+
+
+def _label(key: dict[str, Any], varying: set[str]) -> str:
+    parts = [display_name(str(key["layer"]))]
     if "call_index" in varying:
         parts.append(f"call {key['call_index']}")
     if key["tensor_path"]:
@@ -65,7 +73,6 @@ class Rows:
     order, with each run's row of it (-1: the run lacks it)."""
 
     labels: list[str]
-    keys: list[dict[str, Any]]
     positions: list[npt.NDArray[np.int64]]
 
 
@@ -81,9 +88,6 @@ def panel_rows(grids: Sequence[PanelGrid | None]) -> Rows:
             if key not in keys:
                 keys[key] = len(found)
                 found.append(row)
-    varying = {
-        name for name in ("call_index", "mode", "grad_enabled") if len({r[name] for r in found}) > 1
-    }
     positions = []
     for grid in grids:
         at = np.full(len(found), -1, dtype=np.int64)
@@ -91,7 +95,7 @@ def panel_rows(grids: Sequence[PanelGrid | None]) -> Rows:
             for i, values in enumerate(grid.tensors.select(TENSOR_KEYS).iter_rows()):
                 at[keys[tuple(values)]] = i
         positions.append(at)
-    return Rows([tensor_label(r, varying) for r in found], found, positions)
+    return Rows(tensor_labels(found), positions)
 
 
 def _reindexed(values: npt.NDArray[np.float64], at: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
@@ -235,10 +239,7 @@ def ratio_figure(table: pl.DataFrame, panels: Sequence[Panel], reference: str) -
             & (pl.col("run") != reference)
         )
         keys = part.select(TENSOR_KEYS).unique(maintain_order=True)
-        varying = {
-            name for name in ("call_index", "mode", "grad_enabled") if keys[name].n_unique() > 1
-        }
-        labels = [tensor_label(k, varying) for k in keys.iter_rows(named=True)]
+        labels = tensor_labels(list(keys.iter_rows(named=True)))
         runs = part.get_column("run").unique(maintain_order=True).to_list()
         ratio = np.full((len(labels), len(runs)), np.nan)
         index = {tuple(k): i for i, k in enumerate(keys.iter_rows())}

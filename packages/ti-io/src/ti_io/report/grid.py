@@ -45,7 +45,6 @@ class PanelGrid:
     """One panel of one run: a row per tensor (in the run's order), a column per run of
     samples. Arrays are ``(tensors, columns)``; NaN where a cell holds no finite value."""
 
-    panel: Panel
     tensors: pl.DataFrame
     """One row per tensor: ``TENSOR_KEYS``, ``latest_sample``, ``latest``,
     ``recent_window_mean``, ``previous_window_mean`` (null where no finite value)."""
@@ -70,7 +69,6 @@ class RunGrid:
     """Every sample id of the run, ascending."""
     sample_forwards: npt.NDArray[np.int64]
     """The root forward index of each of ``samples``."""
-    rows_read: int
 
     @property
     def column_edges(self) -> npt.NDArray[np.int64]:
@@ -260,7 +258,6 @@ def read_grid(
         end_sample=int(ordered_samples[-1]) + 1 if ordered_samples.size else 0,
         samples=forwards.get_column("sample_id").to_numpy().astype(np.int64),
         sample_forwards=forwards.get_column("forward_index").to_numpy().astype(np.int64),
-        rows_read=steps.done,
     )
 
 
@@ -336,4 +333,4 @@ def _panel_grid(panel: Panel, folded: _Folded, width: int, order: Sequence[str])
     high[at] = cells.get_column("high").to_numpy()
     finite = np.isfinite(high)
     nonzero = bool(finite.any() and (np.abs(high[finite]).max() > 0 or low[finite].min() < 0))
-    return PanelGrid(panel, tensors.drop("row"), mean, low, high, nonzero)
+    return PanelGrid(tensors.drop("row"), mean, low, high, nonzero)

@@ -28,7 +28,6 @@ import polars as pl
 from ti_io.damaged import gap_lines
 from ti_io.facts import (
     RunFacts,
-    read_catalog,
     read_run_facts,
     recorded_run_lines,
     recorded_settings,
@@ -57,19 +56,43 @@ RunArgument = str | os.PathLike[str]
 
 
 @dataclass(frozen=True)
+class _Recorded:
+    """What the page reads of a run besides its rows, read once: its facts (run.json while
+    live) and index.md's run block (what a finalized run keeps of them)."""
+
+    facts: RunFacts
+    lines: dict[str, str]
+
+    @classmethod
+    def of(cls, directory: Path) -> _Recorded:
+        return cls(read_run_facts(directory), recorded_run_lines(directory))
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The run's metric profile."""
+        line = self.lines.get("metrics", "")
+        return self.facts.metrics or tuple(name for name in line.split(", ") if name)
+
+    @property
+    def catalog(self) -> list[str]:
+        """The selected layers' names, in model order."""
+        return [info.name for info in self.facts.layers]
+
+
+@dataclass(frozen=True)
 class _Run:
     opened: ComparedRun
     location: str
-    facts: RunFacts
+    recorded: _Recorded
     grid: RunGrid
     events: list[dict[str, Any]]
 
 
 def _selected_panels(
-    opened: Sequence[ComparedRun], signals: list[str] | None, metrics: list[str] | None
+    held: set[str], signals: list[str] | None, metrics: list[str] | None
 ) -> tuple[list[Panel], list[Panel]]:
-    """The panels asked for (drawn where held) and the health panels (drawn where not all 0)."""
-    held = {m for run in opened for m in _metrics(run.directory)}
+    """The panels asked for (drawn where held) and the health panels (drawn where not all 0);
+    ``held``: the metrics the runs record."""
     if metrics is not None:
         unknown = [m for m in metrics if m not in held and declared_metric(m) is None]
         if unknown:
@@ -93,15 +116,6 @@ def _selected_panels(
         if (s, m) not in asked
     ]
     return asked, health
-
-
-def _metrics(directory: Path) -> tuple[str, ...]:
-    """The run's metric profile: run.json's while live, index.md's once finalized."""
-    recorded = read_run_facts(directory).metrics
-    if recorded:
-        return recorded
-    line = recorded_run_lines(directory).get("metrics", "")
-    return tuple(name for name in line.split(", ") if name)
 
 
 def write_report(
@@ -146,8 +160,10 @@ def write_report(
     if not any(run.samples for run in opened):
         empty = ", ".join(run.label for run in opened)
         raise ValueError(f"{empty}: no sample yet (a live run that has published no part)")
-    asked, health = _selected_panels(opened, chosen_signals, chosen_metrics)
-    catalogs = [_catalog(run.directory) for run in opened]
+    recorded = [_Recorded.of(run.directory) for run in opened]
+    held = {metric for run in recorded for metric in run.metrics}
+    asked, health = _selected_panels(held, chosen_signals, chosen_metrics)
+    catalogs = [run.catalog for run in recorded]
     kept: list[str] = []
     if patterns is not None:
         every = list(dict.fromkeys(name for catalog in catalogs for name in catalog))
@@ -164,19 +180,18 @@ def write_report(
     shown = list(locations) if locations is not None else [str(r.directory) for r in opened]
     if len(shown) != len(opened):
         raise ValueError(f"locations names {len(shown)} runs, not {len(opened)}")
-    for run, catalog, location in zip(opened, catalogs, shown, strict=True):
-        facts = read_run_facts(run.directory)
+    for run, known, location in zip(opened, recorded, shown, strict=True):
         grid = read_grid(
             history_files_of(run.directory),
             run.samples,
             [*asked, *health],
             columns=width,
-            window=facts.window,
+            window=known.facts.window,
             layers=kept,
-            order=catalog,
+            order=known.catalog,
             progress=progress,
         )
-        loaded.append(_Run(run, location, facts, grid, event_records(read_events(run.directory))))
+        loaded.append(_Run(run, location, known, grid, event_records(read_events(run.directory))))
     drawn = [p for p in asked if any(p in r.grid.panels for r in loaded)]
     drawn += [
         p for p in health if any(p in r.grid.panels and r.grid.panels[p].nonzero for r in loaded)
@@ -187,11 +202,6 @@ def write_report(
     ratios = _ratios(opened, drawn, kept) if len(opened) > 1 else None
     page = _page(loaded, drawn, ratios)
     return _write_atomically(Path(path), page)
-
-
-def _catalog(directory: Path) -> list[str]:
-    facts = read_run_facts(directory)
-    return [info.name for info in facts.layers or read_catalog(directory) or ()]
 
 
 def _ratios(
@@ -253,8 +263,7 @@ def _number(value: object) -> str:
 def _facts(run: _Run) -> dict[str, str]:
     """What the page's run table says of ``run``: its header (contract, sampler, ranks, what
     was selected, the telemetry cost), its settings, and any gap a consolidation left."""
-    facts, opened = run.facts, run.opened
-    lines = recorded_run_lines(opened.directory)
+    facts, lines, opened = run.recorded.facts, run.recorded.lines, run.opened
     samples = run.grid.samples
     ranks = lines.get("rank", "unknown")
     if facts.world_size is not None:
@@ -270,7 +279,7 @@ def _facts(run: _Run) -> dict[str, str]:
         "rank": ranks,
         "samples": f"{samples.size} ({samples[0]}..{samples[-1]})" if samples.size else "none yet",
         "selected": f"{len(facts.layers)} layers" if facts.layers else "unknown (no catalog)",
-        "metrics": ", ".join(_metrics(opened.directory)) or "unknown",
+        "metrics": ", ".join(run.recorded.metrics) or "unknown",
         "window": f"{facts.window} samples",
         "telemetry cost": cost.describe() if cost is not None else "unknown (not reported)",
     }
