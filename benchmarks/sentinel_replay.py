@@ -41,8 +41,8 @@ import workloads
 
 import ti_core
 from ti_core import EveryNForwardsSampler, MemorySink, Sentinel, observer_of
-from ti_core.capture.paths import tensor_leaves
 from ti_core.sentinel.replay import StepRecord
+from ti_core.tensor_paths import tensor_leaves
 
 Step = Callable[[], None]
 EAGER = ("sequence", "gpt2", "transformer")

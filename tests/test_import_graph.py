@@ -44,13 +44,46 @@ ALLOWED = {
 }
 """Sibling packages each package's sources may import (a subset of what it declares)."""
 FORBIDDEN = {
-    "ti_core.reduction": ("ti_core.capture", "ti_core.emission", "ti_core.gate"),
-    "ti_core.capture": ("ti_core.emission", "ti_core.gate", "ti_core.observer"),
-    "ti_core.emission": ("ti_core.gate", "ti_core.observer", "ti_core.capture.hooks"),
+    "ti_core.reduction": (
+        "ti_core.capture",
+        "ti_core.emission",
+        "ti_core.sentinel",
+        "ti_core.gate",
+        "ti_core.observer",
+        "ti_core.api",
+    ),
+    "ti_core.capture": (
+        "ti_core.emission",
+        "ti_core.sentinel",
+        "ti_core.gate",
+        "ti_core.observer",
+        "ti_core.api",
+    ),
+    "ti_core.emission": (
+        "ti_core.capture",
+        "ti_core.sentinel",
+        "ti_core.gate",
+        "ti_core.observer",
+        "ti_core.api",
+    ),
+    "ti_core.sentinel": (
+        "ti_core.capture",
+        "ti_core.emission",
+        "ti_core.gate",
+        "ti_core.observer",
+        "ti_core.api",
+    ),
+    "ti_core.gate": ("ti_core.observer", "ti_core.api"),
+    "ti_core.observer": ("ti_core.api",),
 }
-"""What each layer of ti-core must not import (docs/architecture.md): reduction knows nothing
-of capture, emission or the gate; capture nothing of emission, the gate or the observer;
-emission nothing of the gate, the observer or the hooks."""
+"""What each layer of ti-core must not import (docs/architecture.md): capture, emission and the
+flight recorder are peers (none imports another) over reduction, which knows none of them; the
+gate drives capture and the recorder, the observer composes them all, the api builds the
+observer."""
+MAX_FLOORS = 6
+"""How deep ti-core's parts may stack (docs/architecture.md, "ti-core's floors"): the longest
+chain of imports between its direct submodules and subpackages, its front door
+(``ti_core/__init__.py``, re-exports only) left out."""
 
 
 def _modules(package: str, packages_dir: Path = PACKAGES_DIR) -> dict[str, Path]:
@@ -143,24 +176,33 @@ def _part_of(module: str, package: str) -> str | None:
     return f"{package}.{module[len(package) + 1 :].split('.')[0]}"
 
 
+def _part_graph(
+    graph: dict[str, set[str]], package: str
+) -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """The parts of ``package`` (its direct submodules and subpackages, each with everything
+    inside it), the parts each imports, and the module imports behind each part edge."""
+    parts: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], list[str]] = {}
+    for module, targets in graph.items():
+        source = _part_of(module, package)
+        if source is None:
+            continue
+        parts.setdefault(source, set())
+        for target in targets:
+            part = _part_of(target, package)
+            if part is not None and part != source:
+                parts[source].add(part)
+                parts.setdefault(part, set())
+                why.setdefault((source, part), []).append(f"{module} -> {target}")
+    return parts, why
+
+
 def _part_cycles(graph: dict[str, set[str]], packages: Iterable[str]) -> list[str]:
     """For each package of ``packages``: the cycles between its parts (its direct submodules
     and subpackages, each with everything inside it), each with the module imports behind it."""
     problems: list[str] = []
     for package in sorted(packages):
-        parts: dict[str, set[str]] = {}
-        why: dict[tuple[str, str], list[str]] = {}
-        for module, targets in graph.items():
-            source = _part_of(module, package)
-            if source is None:
-                continue
-            parts.setdefault(source, set())
-            for target in targets:
-                part = _part_of(target, package)
-                if part is not None and part != source:
-                    parts[source].add(part)
-                    parts.setdefault(part, set())
-                    why.setdefault((source, part), []).append(f"{module} -> {target}")
+        parts, why = _part_graph(graph, package)
         for cycle in _cycles(parts):
             members = set(cycle)
             edges = sorted(
@@ -171,6 +213,22 @@ def _part_cycles(graph: dict[str, set[str]], packages: Iterable[str]) -> list[st
             )
             problems.append(f"{package}: {' <-> '.join(cycle)} ({'; '.join(edges)})")
     return problems
+
+
+def _chains(parts: dict[str, set[str]]) -> dict[str, list[str]]:
+    """For each of ``parts`` (an acyclic part graph), the longest chain of imports down from
+    it, itself first: its floor is the chain's length."""
+    chains: dict[str, list[str]] = {}
+
+    def chain(part: str) -> list[str]:
+        if part not in chains:
+            below = [chain(target) for target in sorted(parts[part])]
+            chains[part] = [part, *max(below, key=len, default=[])]
+        return chains[part]
+
+    for part in sorted(parts):
+        chain(part)
+    return chains
 
 
 def _packages(package: str, packages_dir: Path = PACKAGES_DIR) -> set[str]:
@@ -211,6 +269,28 @@ def test_ti_core_layers_import_only_the_layers_below_them() -> None:
         if any(target == f or target.startswith(f + ".") for f in forbidden)
     )
     assert bad == []
+
+
+def test_ti_core_stands_at_most_six_floors_deep() -> None:
+    """api -> observer -> gate -> capture | emission | sentinel -> reduction | compiled -> the
+    foundations (errors, entries, _torch, ...): a reader climbs at most six floors to learn
+    where a number is made, and capture, emission and the flight recorder stand side by side."""
+    parts, _ = _part_graph(_graph("ti_core"), "ti_core")
+    chains = _chains(parts)
+    tallest = max(chains.values(), key=len)
+    assert len(tallest) <= MAX_FLOORS, " -> ".join(tallest)
+    floor = {part: len(chain) for part, chain in chains.items()}
+    assert floor["ti_core.api"] == 6
+    assert floor["ti_core.observer"] == 5
+    assert floor["ti_core.gate"] == 4
+    assert floor["ti_core.capture"] == floor["ti_core.emission"] == floor["ti_core.sentinel"] == 3
+    assert floor["ti_core.reduction"] == floor["ti_core.compiled"] == 2
+
+
+def test_the_floor_counter_counts_the_longest_chain() -> None:
+    chains = _chains({"a": {"b", "c"}, "b": {"d"}, "c": set(), "d": set(), "e": {"a"}})
+    assert chains["e"] == ["e", "a", "b", "d"]
+    assert chains["c"] == ["c"]
 
 
 def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from ti_core import AlwaysSampler, inject_observer, observer_of, remove_observer
-from ti_core.emission import emitters
 from ti_core.observer import Observer
+from ti_core.reduction import placement
 from ti_core.sink import RunInfo
 from ti_io import DirectorySink, TensorBoardSink, scan_history
 
@@ -33,7 +33,7 @@ DEADLINE_S = 60.0
 def _every_signal_queued(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about writes from the emission worker: their small signals go to it
     too, instead of being written at once while it is idle."""
-    monkeypatch.setattr(emitters, "INLINE_SIGNAL_BYTES", -1)
+    monkeypatch.setattr(placement, "INLINE_SIGNAL_BYTES", -1)
 
 
 def make_model() -> nn.Sequential:
@@ -187,9 +187,9 @@ from test_io_background_writes import (
 )
 
 from ti_core import AlwaysSampler, inject_observer
-from ti_core.emission import emitters
+from ti_core.reduction import placement
 
-emitters.INLINE_SIGNAL_BYTES = -1  # every signal queued on the worker, small ones too
+placement.INLINE_SIGNAL_BYTES = -1  # every signal queued on the worker, small ones too
 model = make_model()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 sink = GatedDirectorySink(Path({out!r}))

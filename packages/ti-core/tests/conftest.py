@@ -44,6 +44,6 @@ def torch_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 def every_signal_queued(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every signal goes to the emission worker, small ones too, instead of being written at once
     while the worker is idle: for tests of the worker and its queue."""
-    from ti_core.emission import emitters
+    from ti_core.reduction import placement
 
-    monkeypatch.setattr(emitters, "INLINE_SIGNAL_BYTES", -1)
+    monkeypatch.setattr(placement, "INLINE_SIGNAL_BYTES", -1)

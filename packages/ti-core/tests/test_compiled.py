@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ti_core
 from ti_core import AlwaysSampler, EveryNForwardsSampler, MemorySink
-from ti_core.capture import paths
+from ti_core import tensor_paths as paths
 from ti_core.capture.gradients import GradientState
 from ti_core.capture.sample import LEAF_REASON
 from ti_core.capture.traced_calls import NESTED_REASON

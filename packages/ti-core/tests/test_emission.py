@@ -43,10 +43,10 @@ from ti_core import (
     observer_of,
     remove_observer,
 )
-from ti_core.capture.batch import TensorBatch
 from ti_core.capture.gradients import GradientState
 from ti_core.emission.worker import MAX_JOBS, EmissionWorker
 from ti_core.observer import Observer
+from ti_core.reduction.batch import TensorBatch
 from ti_schema.testing import assert_history_conforms
 
 SIGNALS = ("output", "output_gradient")

@@ -1,4 +1,4 @@
-"""Entry structures reused across samples (``ti_core.capture.batch.StructureMemo``).
+"""Entry structures reused across samples (``ti_core.reduction.batch.StructureMemo``).
 
 A batch whose rows, slots, shapes and dtypes equal a remembered batch's reuses that batch's
 identity columns; anything else must build its own. The rows written must be those of a batch
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ti_core import AlwaysSampler, MemorySink, inject_observer, remove_observer
-from ti_core.capture.batch import EntryStructure, StructureMemo, TensorBatch
+from ti_core.emission.records import RunColumns, history_batch
 from ti_core.entries import Entries
-from ti_core.records import RunColumns, history_batch
+from ti_core.reduction.batch import EntryStructure, StructureMemo, TensorBatch
 from ti_core.reduction.plan import ReductionPlan, default_reducers
 from ti_schema import histogram_schema, history_schema
 

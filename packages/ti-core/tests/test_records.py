@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ti_core.emission.records import RunColumns, constant_strings, history_batch, unavailable_batch
 from ti_core.entries import Entry
-from ti_core.records import RunColumns, constant_strings, history_batch, unavailable_batch
 from ti_schema import histogram_schema, history_schema
 from ti_schema.testing import assert_history_conforms
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from test_records import METRICS, columns
 
+from ti_core.emission.records import RunColumns, histogram_batch, history_batch
 from ti_core.entries import Entry
-from ti_core.records import RunColumns, histogram_batch, history_batch
 from ti_core.reduction.histograms import histogram_rows
 from ti_schema.testing import assert_history_conforms
 

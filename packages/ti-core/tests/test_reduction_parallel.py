@@ -107,11 +107,11 @@ _PROBE = """
 import json, sys, threading
 import numpy as np, torch
 from ti_core import AlwaysSampler, MemorySink, inject_observer, observer_of, remove_observer
-from ti_core.capture import batch
+from ti_core.reduction import placement
 from ti_core.reduction import numpy_rows
 
 a = np.load(sys.argv[1])
-batch.SNAPSHOT_BUDGET_BYTES = numpy_rows.BLOCK  # reduced on the capturing thread
+placement.SNAPSHOT_BUDGET_BYTES = numpy_rows.BLOCK  # reduced on the capturing thread
 numpy_rows.PARALLEL_MIN = 2 * numpy_rows.BLOCK
 scan_blocks = numpy_rows._scan_blocks
 names = set()

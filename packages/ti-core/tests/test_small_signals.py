@@ -17,7 +17,7 @@ from test_emission import GatedSink, attached, recording
 from torch import nn
 
 from ti_core import AlwaysSampler, MemorySink, inject_observer, remove_observer
-from ti_core.emission import emitters
+from ti_core.reduction import placement
 
 RUN_COLUMNS = ["run_id", "timestamp"]
 
@@ -72,7 +72,7 @@ def test_a_small_signal_never_overtakes_queued_ones() -> None:
 
 
 def _table(monkeypatch: pytest.MonkeyPatch, inline_bytes: int) -> tuple[pa.Table, pa.Table]:
-    monkeypatch.setattr(emitters, "INLINE_SIGNAL_BYTES", inline_bytes)
+    monkeypatch.setattr(placement, "INLINE_SIGNAL_BYTES", inline_bytes)
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 6), nn.Sigmoid(), nn.Linear(6, 1))
     sink = MemorySink()
@@ -92,7 +92,7 @@ def _table(monkeypatch: pytest.MonkeyPatch, inline_bytes: int) -> tuple[pa.Table
 def test_rows_are_the_same_written_at_once_or_by_the_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    at_once = _table(monkeypatch, emitters.INLINE_SIGNAL_BYTES)
+    at_once = _table(monkeypatch, placement.INLINE_SIGNAL_BYTES)
     queued = _table(monkeypatch, -1)
     assert at_once[0].num_rows > 0
     assert at_once[1].num_rows > 0

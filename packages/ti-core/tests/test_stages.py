@@ -3,7 +3,7 @@ warnings since the first release."""
 
 from __future__ import annotations
 
-from ti_core.capture.ended import EndedSignal
+from ti_core.reduction.ended import EndedSignal
 from ti_core.stages import stage_of
 from ti_schema import SIGNALS
 

@@ -6,9 +6,11 @@ from ti_core.aligned_sampling import AlignedSampler
 from ti_core.api import (
     has_observer,
     inject_observer,
+    inject_stage_observer,
     observe,
     observer_of,
     remove_observer,
+    remove_stage_observer,
     trigger_capture,
 )
 from ti_core.budget import BudgetSampler
@@ -19,7 +21,6 @@ from ti_core.errors import (
     TelemetryWarning,
 )
 from ti_core.memory_sink import MemorySink
-from ti_core.pipeline_stages import inject_stage_observer, remove_stage_observer
 from ti_core.ranks import RankPolicy, RankSelection
 from ti_core.reduction.plan import DefaultProfile, Reducer, default_reducers
 from ti_core.sampling import (

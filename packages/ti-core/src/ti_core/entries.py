@@ -29,7 +29,7 @@ class Entries:
     """Identity and context of measured tensors, one list per :class:`Entry` field.
 
     What the record batches are built from: column ``f`` of row ``i`` is field ``f`` of the
-    ``i``-th measured tensor. Capture records rows (``ti_core.capture.batch.Row``) and turns
+    ``i``-th measured tensor. Capture records rows (``ti_core.reduction.batch.Row``) and turns
     them into columns once per signal.
     """
 

@@ -8,7 +8,7 @@ run's measured telemetry cost to the sinks (:mod:`ti_core.cost`) and closes the 
 closed once). In between, the
 gate (:mod:`ti_core.gate`) decides which root forwards are sampled and calls back here to start
 samples; capture hands each ended signal (a sample's outputs, the gradients one backward
-delivered to it, ...: :class:`~ti_core.capture.ended.EndedSignal`) to :meth:`Observer.emit`,
+delivered to it, ...: :class:`~ti_core.reduction.ended.EndedSignal`) to :meth:`Observer.emit`,
 which gives it to the emitter (:mod:`ti_core.emission`). ``observer_of(model)`` returns it.
 """
 
@@ -21,21 +21,22 @@ from typing import Final
 
 from torch import nn
 
-from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, StructureMemo, TensorBatch
-from ti_core.capture.ended import EndedSignal, SignalTarget
 from ti_core.capture.gradients import GradientTarget, LeafHooks
 from ti_core.capture.parameters import ParameterCapture
 from ti_core.capture.sample import Sample
-from ti_core.capture.snapshots import SnapshotPool
 from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.cost import CostMeter
 from ti_core.emission.emitters import BackgroundEmitter, Emitter, InlineEmitter
+from ti_core.emission.records import RunColumns
 from ti_core.emission.sinks import SinkFanout
 from ti_core.emission.writer import SignalWriter
 from ti_core.errors import ErrorPolicy
 from ti_core.gate import Gate, GateState
-from ti_core.records import RunColumns
+from ti_core.reduction.batch import StructureMemo, TensorBatch
+from ti_core.reduction.ended import EndedSignal, SignalTarget
+from ti_core.reduction.placement import SNAPSHOT_BUDGET_BYTES
 from ti_core.reduction.plan import ReductionPlan
+from ti_core.reduction.snapshots import SnapshotPool
 from ti_core.sampling import Sampler
 from ti_core.selection import unwrap_model
 from ti_core.sentinel import DenseSampler, FlightRecorder, Sentinel

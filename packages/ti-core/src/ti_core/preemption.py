@@ -41,10 +41,22 @@ import threading
 import weakref
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Final, TypeAlias
+from typing import Final, Protocol, TypeAlias
 
-if TYPE_CHECKING:
-    from ti_core.observer import Observer
+from ti_core.emission.sinks import SinkFanout
+
+
+class Observer(Protocol):
+    """What publication needs of an observer (:class:`ti_core.observer.Observer`): its sinks,
+    a wait for its emission worker, and its cost report. A protocol, so that this module sits
+    beside the observer rather than above it (the api, which owns both, pairs them)."""
+
+    sinks: SinkFanout
+
+    def drain(self) -> None: ...
+
+    def report_cost(self, *, exiting: bool = False) -> None: ...
+
 
 SIGTERM_PUBLISH_TIMEOUT_S: Final[float] = 10.0
 """How long the SIGTERM handler waits for the publication before passing the signal on.

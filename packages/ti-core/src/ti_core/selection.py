@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ti_core import _torch
+from ti_core.compiled.traced import CUDA_GRAPHS_REFUSED, cuda_graphs_requested
 from ti_core.sink import LayerInfo
 
 Selector = Callable[[str, nn.Module], bool]
@@ -85,6 +86,16 @@ def compiled_wrappers(model: nn.Module) -> list[nn.Module]:
             model = wrapped
             continue
         return found
+
+
+def check_compiled_model(model: nn.Module) -> None:
+    """Raise ValueError when ``model`` is (or wraps) a ``torch.compile``d module compiled for
+    CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``): refused at ``inject_observer``
+    before anything is touched (a module compiled after it was observed is checked when it is
+    first traced: :func:`ti_core.compiled.traced.cuda_graphs_requested`)."""
+    for wrapper in compiled_wrappers(model):
+        if cuda_graphs_requested(_torch.optimized_config(wrapper)):
+            raise ValueError(f"model is compiled for CUDA graphs; {CUDA_GRAPHS_REFUSED}")
 
 
 def select_modules(

@@ -33,9 +33,10 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ti_core.capture.batch import SNAPSHOT_BUDGET_BYTES, TensorBatch
-from ti_core.capture.context import now_us
+from ti_core.call_context import now_us
 from ti_core.entries import Gaps
+from ti_core.reduction.batch import TensorBatch
+from ti_core.reduction.placement import SNAPSHOT_BUDGET_BYTES
 from ti_core.reduction.support import dtype_name
 
 MAX_LOGITS: Final[int] = SNAPSHOT_BUDGET_BYTES // 8

@@ -24,11 +24,11 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ti_core import _torch
-from ti_core.capture.batch import Row, TensorBatch
-from ti_core.capture.context import now_us
-from ti_core.capture.ended import EndedSignal, SignalTarget
+from ti_core.call_context import now_us
 from ti_core.capture.hooks import HookObject
 from ti_core.entries import Entry, Gaps
+from ti_core.reduction.batch import Row, TensorBatch
+from ti_core.reduction.ended import EndedSignal, SignalTarget
 from ti_core.reduction.support import dtype_name
 from ti_core.stages import stage_of
 

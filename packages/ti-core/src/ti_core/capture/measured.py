@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ti_core.capture.batch import TensorBatch
 from ti_core.entries import Entry
+from ti_core.reduction.batch import TensorBatch
 from ti_core.reduction.support import dtype_name
 
 

@@ -21,12 +21,12 @@ from typing import Any, Final
 import torch
 
 from ti_core import _torch
-from ti_core.capture.context import now_us
-from ti_core.capture.ended import EndedSignal, SignalTarget
+from ti_core.call_context import now_us
 from ti_core.capture.hooks import HookObject
 from ti_core.capture.measured import add_entry, measured_entry
-from ti_core.capture.sharding import local_tensor
 from ti_core.entries import Entry, Gaps
+from ti_core.reduction.ended import EndedSignal, SignalTarget
+from ti_core.reduction.sharding import local_tensor
 from ti_core.stages import stage_of
 
 GRADIENT_REENTRANT_REASON: Final[str] = (

@@ -27,12 +27,9 @@ import torch
 from torch import nn
 
 from ti_core import _torch
-from ti_core.capture.batch import TensorBatch
-from ti_core.capture.context import in_reentrant_checkpoint, now_us
-from ti_core.capture.ended import EndedSignal, SignalTarget
+from ti_core.call_context import in_reentrant_checkpoint, now_us
 from ti_core.capture.measured import add_entry
 from ti_core.capture.parameter_gradients import GRADIENT_REENTRANT_REASON, GradientWatch
-from ti_core.capture.sharding import is_sharded, local_tensor, parameter_path
 from ti_core.capture.updates import (
     DEFAULT_UPDATE_BUDGET_BYTES,
     OptimizerHookHost,
@@ -40,6 +37,9 @@ from ti_core.capture.updates import (
     UpdateWindow,
 )
 from ti_core.entries import Entry, Gaps
+from ti_core.reduction.batch import TensorBatch
+from ti_core.reduction.ended import EndedSignal, SignalTarget
+from ti_core.reduction.sharding import is_sharded, local_tensor, parameter_path
 from ti_core.reduction.support import dtype_name
 from ti_core.stages import stage_of
 from ti_schema import PARAMETER_SIGNALS

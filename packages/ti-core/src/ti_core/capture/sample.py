@@ -16,16 +16,16 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from ti_core.call_context import in_reentrant_checkpoint
 from ti_core.capture.attention import AttentionCalls
-from ti_core.capture.batch import TensorBatch
-from ti_core.capture.context import in_reentrant_checkpoint
-from ti_core.capture.ended import EndedSignal
 from ti_core.capture.gradients import GradientState, GradientTarget
 from ti_core.capture.parameters import ParameterSample
-from ti_core.capture.paths import tensor_leaves
-from ti_core.capture.sharding import leaf_path
 from ti_core.entries import Gaps
+from ti_core.reduction.batch import TensorBatch
+from ti_core.reduction.ended import EndedSignal
+from ti_core.reduction.sharding import leaf_path
 from ti_core.stages import stage_of
+from ti_core.tensor_paths import tensor_leaves
 from ti_schema import DEFAULT_SIGNALS
 
 LEAF_REASON: Final[str] = (

@@ -1,7 +1,7 @@
 """One call of a selected module in a compiled graph, recorded at run time as eager capture does.
 
 What the ``ti::record_call`` operator (:mod:`ti_core.compiled.operators`) does, through the
-gate, in the running sample: the same rows in its :class:`~ti_core.capture.batch.TensorBatch`,
+gate, in the running sample: the same rows in its :class:`~ti_core.reduction.batch.TensorBatch`,
 gradient bookkeeping in its :class:`~ti_core.capture.gradients.GradientState` and coverage gaps
 as :meth:`~ti_core.capture.sample.Sample.record`, so reduction and emission are unchanged. It
 lives in capture, next to that method; :mod:`ti_core.compiled` (trace time and the operators)
@@ -22,7 +22,7 @@ from typing import Final
 
 import torch
 
-from ti_core.capture.context import in_reentrant_checkpoint, now_us
+from ti_core.call_context import in_reentrant_checkpoint, now_us
 from ti_core.capture.gradients import GradHook, GradientState
 from ti_core.capture.sample import LEAF_REASON, REENTRANT_REASON, Sample
 from ti_core.compiled.operators import LEAF, WATCH

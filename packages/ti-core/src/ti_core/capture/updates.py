@@ -26,13 +26,13 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from ti_core.capture.batch import TensorBatch
-from ti_core.capture.context import now_us
-from ti_core.capture.ended import EndedSignal, SignalTarget
+from ti_core.call_context import now_us
 from ti_core.capture.hooks import HookObject
 from ti_core.capture.measured import add_entry, measured_entry
-from ti_core.capture.sharding import local_tensor
 from ti_core.entries import Entry, Gaps
+from ti_core.reduction.batch import TensorBatch
+from ti_core.reduction.ended import EndedSignal, SignalTarget
+from ti_core.reduction.sharding import local_tensor
 from ti_core.stages import stage_of
 from ti_schema import Signal
 
@@ -170,7 +170,7 @@ OptimizerHook = Callable[[torch.optim.Optimizer, Any, Any], None]
 
 class OptimizerHookHost(Protocol):
     """Installs and removes the global optimizer step hooks (the gate's
-    :class:`~ti_core.optimizer_hooks.OptimizerHooks`)."""
+    :class:`~ti_core.gate.optimizer_hooks.OptimizerHooks`)."""
 
     def install_optimizer_hooks(self, pre: OptimizerHook, post: OptimizerHook) -> None:
         """Register ``pre`` and ``post`` for every optimizer's step (no-op when installed)."""

@@ -50,7 +50,7 @@ NESTED: Final[int] = 3
 of a compiled graph: a coverage gap."""
 
 _MAX_DEPTH: Final = 32
-"""As :func:`ti_core.capture.paths.tensor_leaves`: nesting deeper than this is not walked."""
+"""As :func:`ti_core.tensor_paths.tensor_leaves`: nesting deeper than this is not walked."""
 
 # Traced code names what it uses directly (``Tensor``, ``is_grad_enabled``), never through the
 # global ``torch``: the same object reached from two modules' globals makes Dynamo add an

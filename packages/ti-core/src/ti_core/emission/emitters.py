@@ -8,9 +8,9 @@ One interface (:class:`Emitter`), two implementations, in the spirit of OpenTele
 - :class:`BackgroundEmitter` queues signals of host tensors on one
   :class:`~ti_core.emission.worker.EmissionWorker`; a signal holding accelerator tensors, or one
   that ends after :meth:`Emitter.close`, is written inline once the queue has caught up, and a
-  small one (:data:`INLINE_SIGNAL_BYTES`) inline when the queue is empty, so sinks always
-  receive signals in the order they ended. Failures on the worker are deferred to
-  the training thread (``ErrorPolicy.deferred``).
+  small one inline when the queue is empty, so sinks always receive signals in the order they
+  ended (the choice is :func:`ti_core.reduction.placement.signal_thread`'s). Failures on the
+  worker are deferred to the training thread (``ErrorPolicy.deferred``).
 """
 
 from __future__ import annotations
@@ -20,17 +20,11 @@ import weakref
 from collections.abc import Callable
 from typing import Protocol
 
-from ti_core.capture.ended import EndedSignal
 from ti_core.emission.worker import EmissionWorker, WorkerActivity
 from ti_core.emission.writer import SignalWriter
 from ti_core.errors import ErrorPolicy
-
-INLINE_SIGNAL_BYTES: int = 64 * 2**10
-"""A signal holding at most this many bytes of snapshots to reduce is written on the thread
-that ended it when the worker is idle: what is left is mostly Python (record batches, a few
-small numpy calls), which holds the GIL on either thread, so handing it over only adds a second
-thread contending for the GIL (1,000 ``nn.Identity``, every forward with the directory sink:
-about 6.8 -> 5.2 ms per step; benchmarks/README.md). Tests of the worker's queue set it to -1."""
+from ti_core.reduction.ended import EndedSignal
+from ti_core.reduction.placement import SignalThread, signal_thread
 
 
 class Emitter(Protocol):
@@ -103,14 +97,13 @@ class BackgroundEmitter:
 
     def emit(self, ended: EndedSignal) -> None:
         batch = ended.batch
-        if batch.pending_bytes <= INLINE_SIGNAL_BYTES and self._worker.idle:
-            self._writer.write(ended)  # nothing queued to overtake: the order holds
-            return
-        if batch.host_only and self._worker.submit(
+        where = signal_thread(batch.pending_bytes, batch.host_only, worker_idle=self._worker.idle)
+        if where is SignalThread.WORKER and self._worker.submit(
             lambda: self._write_deferring(ended), batch.pending_bytes
         ):
             return
-        self._worker.drain()  # keep the sinks' order: earlier signals first
+        if where is not SignalThread.HERE:
+            self._worker.drain()  # keep the sinks' order: earlier signals first
         self._writer.write(ended)
 
     def _write_deferring(self, ended: EndedSignal) -> None:
@@ -140,4 +133,4 @@ class BackgroundEmitter:
         self._worker.close()  # runs every queued signal first: nothing measured is lost
 
 
-__all__ = ["INLINE_SIGNAL_BYTES", "BackgroundEmitter", "Emitter", "InlineEmitter"]
+__all__ = ["BackgroundEmitter", "Emitter", "InlineEmitter"]

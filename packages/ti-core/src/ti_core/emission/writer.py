@@ -6,11 +6,10 @@ rows identical inline and on the emission worker.
 
 from __future__ import annotations
 
-# EndedSignal is capture's hand-over (ti_core.capture.ended), re-exported where it was.
-from ti_core.capture.ended import EndedSignal
+from ti_core.emission.records import RunColumns, histogram_batch, history_batch, unavailable_batch
 from ti_core.emission.sinks import SinkFanout
 from ti_core.errors import ErrorPolicy
-from ti_core.records import RunColumns, histogram_batch, history_batch, unavailable_batch
+from ti_core.reduction.ended import EndedSignal
 from ti_core.stages import REDUCTION
 
 
@@ -23,7 +22,9 @@ class SignalWriter:
         self._errors = errors
 
     def write(self, ended: EndedSignal) -> None:
-        """Reduce, build and write ``ended``; reduction failures go to the error policy."""
+        """Reduce ``ended``'s batch on this thread (the emitter chose it,
+        :mod:`ti_core.reduction.placement`), build and write its records; reduction failures
+        go to the error policy."""
         reduced = ended.batch.finish()
         columns, signal = self._columns, ended.signal
         if reduced.entries:
@@ -62,4 +63,4 @@ class SignalWriter:
             self._fanout.write_history(gaps)
 
 
-__all__ = ["EndedSignal", "SignalWriter"]
+__all__ = ["SignalWriter"]

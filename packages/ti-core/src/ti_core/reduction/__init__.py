@@ -1,7 +1,7 @@
-"""The reduction engine: tensors in, exact metric values and histograms out.
+"""The reduction: tensors in, exact metric values and histograms out, and where that happens.
 
-Knows nothing of hooks, samples or sinks (docs/metrics.md defines what it computes). Modules,
-from the entry points down:
+Knows nothing of hooks, samples, emission or sinks (docs/metrics.md defines what it
+computes). Modules, from the entry points down:
 
 - :mod:`~ti_core.reduction.plan`: ``Reducer``, ``DefaultProfile``, ``ReductionPlan`` (validated
   reducers; batches a call's tensors by device and size) and ``Measurements`` (its result).
@@ -14,6 +14,13 @@ from the entry points down:
 - :mod:`~ti_core.reduction.quantiles`, :mod:`~ti_core.reduction.bands`: the quartile
   definition and the sample-placed bands both engines share.
 - :mod:`~ti_core.reduction.support`: supported dtypes, which engine, exact float views.
+- :mod:`~ti_core.reduction.batch`: one signal's snapshots (``TensorBatch``), filled by capture
+  and reduced once by :meth:`~ti_core.reduction.batch.TensorBatch.finish`, with recycled
+  buffers (:mod:`~ti_core.reduction.snapshots`) and the local parts of DTensors and other
+  subclasses (:mod:`~ti_core.reduction.sharding`).
+- :mod:`~ti_core.reduction.ended`: the hand-over of a complete batch from capture to emission
+  (``EndedSignal``, ``SignalTarget``).
+- :mod:`~ti_core.reduction.placement`: where, and on which thread, each tensor is reduced.
 """
 
 from __future__ import annotations

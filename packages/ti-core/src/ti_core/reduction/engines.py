@@ -4,9 +4,10 @@
 ``ti_schema.MetricProfile`` (their layout derived from it, :class:`~ti_core.reduction.layout.
 ProfileLayout`), one function per metric for the numpy engine (CPU tensors) and one for the
 torch engine (accelerator tensors). A new metric in the default profile is its
-``ti_schema.MetricSpec`` plus its entries in :data:`~ti_core.reduction.numpy_rows.METRICS` and
-:data:`~ti_core.reduction.torch_rows.METRICS`; :meth:`ProfileEngines.extended` builds the same
-for a copy, without touching the defaults.
+``ti_schema.MetricSpec`` plus one entry in :data:`~ti_core.reduction.metric_table.ROW_METRICS`
+(written once; :data:`~ti_core.reduction.numpy_rows.METRICS` and
+:data:`~ti_core.reduction.torch_rows.METRICS` bind it to each engine);
+:meth:`ProfileEngines.extended` builds the same for a copy, without touching the defaults.
 """
 
 from __future__ import annotations

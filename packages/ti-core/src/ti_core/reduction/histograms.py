@@ -117,7 +117,7 @@ def histogram_rows(
     """:func:`compute_histograms` as one :class:`HistogramRows` (row ``i``: tensor ``i``).
 
     ``trusted``: ``moments`` come from the reduction of these very tensors just before (as in
-    a :class:`~ti_core.capture.batch.TensorBatch`), so the bucket pass does not check them
+    a :class:`~ti_core.reduction.batch.TensorBatch`), so the bucket pass does not check them
     block by block (the count of finite entries is still checked). ``parallel``: the caller
     waits for the result (the training thread), so a pass over a large CPU tensor may use a
     helper thread."""

@@ -25,14 +25,15 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Final, TypeVar
 
 import numpy as np
 
+from ti_core.reduction import metric_table
 from ti_core.reduction.bands import SAMPLE_SEED, SAMPLE_SIZE, sample_span
 from ti_core.reduction.layout import DEFAULT_LAYOUT, ProfileLayout
 from ti_core.reduction.quantiles import QUANTILES, lerp, lerp_array, quantile_positions
+from ti_schema import DEFAULT_PROFILE
 
 BLOCK: Final = 1 << 17
 """Entries per block of a pass over a large array: a float32 block and its float64 copy stay in
@@ -113,20 +114,11 @@ class Rows:
 NumpyMetric = Callable[[Rows], np.ndarray]
 """The numpy engine's function of one metric: :class:`Rows` of ``k`` tensors to ``(k,)``."""
 
-METRICS: Final[Mapping[str, NumpyMetric]] = MappingProxyType(
-    {
-        "mean": lambda r: r.mean,
-        "std": lambda r: r.std,
-        "min": lambda r: r.lo,
-        "max": lambda r: r.hi,
-        "p25": lambda r: r.quartiles[:, 0],
-        "p50": lambda r: r.quartiles[:, 1],
-        "p75": lambda r: r.quartiles[:, 2],
-        "zero_fraction": lambda r: r.zeros / r.numel,
-        "nonfinite_fraction": lambda r: (r.numel - r.finite) / r.numel,
-    }
+METRICS: Final[Mapping[str, NumpyMetric]] = metric_table.bind(
+    metric_table.NUMPY_OPS, DEFAULT_PROFILE.names
 )
-"""One function per metric of ``ti_schema.DEFAULT_PROFILE``."""
+"""One function per metric of ``ti_schema.DEFAULT_PROFILE``: the shared table
+(:data:`ti_core.reduction.metric_table.ROW_METRICS`) bound to this engine."""
 
 
 def reads_order(layout: ProfileLayout, metrics: Mapping[str, NumpyMetric]) -> bool:

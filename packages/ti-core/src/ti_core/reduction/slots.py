@@ -1,6 +1,6 @@
 """The reduction of one signal's distinct tensors (*slots*), in as few plan calls as possible.
 
-Capture (:class:`~ti_core.capture.batch.TensorBatch`) decides what a slot is (a distinct
+Capture (:class:`~ti_core.reduction.batch.TensorBatch`) decides what a slot is (a distinct
 tensor, snapshotted at the module boundary) and which entries point at it; this module owns
 what happens to the slots' tensors: they wait (:attr:`SlotReduction.pending`) until a snapshot
 budget or the end of the signal, are reduced together by the :class:`ReductionPlan` with the

@@ -18,7 +18,7 @@ from typing import Final
 import numpy as np
 import torch
 
-from ti_core.reduction import numpy_rows, torch_rows
+from ti_core.reduction import metric_table, numpy_rows, torch_rows
 from ti_core.reduction.engines import DEFAULT_ENGINES, MOMENT_METRICS, ProfileEngines
 from ti_core.reduction.plan import (
     DefaultProfile,
@@ -36,16 +36,6 @@ from ti_schema import (
 
 CHUNK: Final = 1 << 20
 """Entries per piece of a large tensor's kurtosis pass."""
-
-
-def _np_rms(rows: numpy_rows.Rows) -> np.ndarray:
-    result: np.ndarray = np.sqrt(rows.std * rows.std + rows.mean * rows.mean)
-    return result
-
-
-def _np_max_abs(rows: numpy_rows.Rows) -> np.ndarray:
-    result: np.ndarray = np.maximum(np.abs(rows.lo), np.abs(rows.hi))
-    return result
 
 
 def _np_pieces(entries: np.ndarray) -> Iterator[np.ndarray]:
@@ -72,14 +62,6 @@ def _np_kurtosis(rows: numpy_rows.Rows) -> np.ndarray:
     return result
 
 
-def _t_rms(rows: torch_rows.Rows) -> torch.Tensor:
-    return torch.sqrt(rows.std * rows.std + rows.mean * rows.mean)
-
-
-def _t_max_abs(rows: torch_rows.Rows) -> torch.Tensor:
-    return torch.maximum(rows.lo.abs(), rows.hi.abs())
-
-
 def _t_kurtosis(rows: torch_rows.Rows) -> torch.Tensor:
     e = rows.entries
     pieces = [e] if e.shape[0] > 1 or e.shape[1] <= CHUNK else list(torch.split(e, CHUNK, 1))
@@ -96,8 +78,15 @@ def _t_kurtosis(rows: torch_rows.Rows) -> torch.Tensor:
     return torch.where(m2 > 0, m4 / (m2 * m2) - 3.0, math.nan)
 
 
-NUMPY: Final = {"rms": _np_rms, "kurtosis": _np_kurtosis, "max_abs": _np_max_abs}
-TORCH: Final = {"rms": _t_rms, "kurtosis": _t_kurtosis, "max_abs": _t_max_abs}
+# rms and max_abs follow from the rows (the shared table); kurtosis is a pass of each engine's
+NUMPY: Final = {
+    **metric_table.bind(metric_table.NUMPY_OPS, ("rms", "max_abs")),
+    "kurtosis": _np_kurtosis,
+}
+TORCH: Final = {
+    **metric_table.bind(metric_table.TORCH_OPS, ("rms", "max_abs")),
+    "kurtosis": _t_kurtosis,
+}
 
 
 def check_metrics(names: Iterable[str]) -> tuple[str, ...]:

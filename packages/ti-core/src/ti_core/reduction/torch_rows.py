@@ -18,14 +18,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Final
 
 import torch
 
+from ti_core.reduction import metric_table
 from ti_core.reduction import torch_select as sel
 from ti_core.reduction.layout import DEFAULT_LAYOUT, ProfileLayout
 from ti_core.reduction.quantiles import QUANTILES, lerp_tensor, quantile_positions
+from ti_schema import DEFAULT_PROFILE
 
 
 @dataclass(frozen=True)
@@ -61,20 +62,11 @@ class Rows:
 TorchMetric = Callable[[Rows], torch.Tensor]
 """The torch engine's function of one metric: :class:`Rows` of ``k`` tensors to ``(k,)``."""
 
-METRICS: Final[Mapping[str, TorchMetric]] = MappingProxyType(
-    {
-        "mean": lambda r: r.mean,
-        "std": lambda r: r.std,
-        "min": lambda r: r.lo,
-        "max": lambda r: r.hi,
-        "p25": lambda r: r.quartiles[:, 0],
-        "p50": lambda r: r.quartiles[:, 1],
-        "p75": lambda r: r.quartiles[:, 2],
-        "zero_fraction": lambda r: r.zeros / r.numel,
-        "nonfinite_fraction": lambda r: (r.numel - r.finite) / r.numel,
-    }
+METRICS: Final[Mapping[str, TorchMetric]] = metric_table.bind(
+    metric_table.TORCH_OPS, DEFAULT_PROFILE.names
 )
-"""One function per metric of ``ti_schema.DEFAULT_PROFILE``."""
+"""One function per metric of ``ti_schema.DEFAULT_PROFILE``: the shared table
+(:data:`ti_core.reduction.metric_table.ROW_METRICS`) bound to this engine."""
 
 
 def fill(rows: Rows, layout: ProfileLayout, metrics: Mapping[str, TorchMetric]) -> torch.Tensor:

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from ti_core import _torch
-from ti_core.capture.sharding import is_sharded, local_tensor
 from ti_core.compiled.slots import Flagged, can_be_nonfinite, real_view
+from ti_core.reduction.sharding import is_sharded, local_tensor
 
 _STRIDED: Final = torch.strided
 _HALF: Final[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})

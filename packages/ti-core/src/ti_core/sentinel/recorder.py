@@ -51,8 +51,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from ti_core.capture.context import now_us
-from ti_core.capture.paths import tensor_leaves
+from ti_core.call_context import now_us
 from ti_core.compiled.slots import FlagSlots, Keyed, PendingSlots, merge
 from ti_core.errors import ErrorPolicy
 from ti_core.sentinel.dense import DenseSampler
@@ -70,6 +69,7 @@ from ti_core.sentinel.forwards import (
 from ti_core.sentinel.options import DEFAULT_DENSE_FORWARDS, Sentinel
 from ti_core.sentinel.replay import ROOT, Replayer, StepRecord, Verdict
 from ti_core.sentinel.root_checks import RootGradient
+from ti_core.tensor_paths import tensor_leaves
 from ti_schema import EventKind
 
 _RECENT: Final = 64

@@ -40,9 +40,9 @@ import torch
 from torch import Tensor, nn
 
 from ti_core import _torch
-from ti_core.capture.paths import tensor_leaves
 from ti_core.sentinel import replay_context
 from ti_core.sentinel.flags import real_values
+from ti_core.tensor_paths import tensor_leaves
 from ti_schema import ReplayVerdict
 
 ROOT: Final = -1

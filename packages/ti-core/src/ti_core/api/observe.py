@@ -18,13 +18,13 @@ from torch import nn
 
 from ti_core import aligned_sampling, legacy, preemption, resolve
 from ti_core.capture.hooks import scrub_copied_hooks
-from ti_core.compiled.support import check_compiled_model
 from ti_core.cost import CostMeter, MeteredSampler
+from ti_core.emission.records import RunColumns
 from ti_core.emission.sinks import read_capabilities
 from ti_core.errors import ErrorPolicy, ObserverAlreadyAttachedError
 from ti_core.observer import Observer
 from ti_core.options import DEFAULT_OUTPUT_DIR, ObserverOptions, Options
-from ti_core.records import RunColumns
+from ti_core.reduction import placement
 from ti_core.reduction.plan import ReductionPlan, default_reducers
 from ti_core.reduction.precision import with_precision
 from ti_core.reduction.stability import with_metrics
@@ -33,10 +33,10 @@ from ti_core.sampling import (
     Sampler,
     TimedSampler,
 )
-from ti_core.selection import select_modules, unwrap_model
+from ti_core.selection import check_compiled_model, select_modules, unwrap_model
 from ti_core.sentinel import Event
 from ti_core.sentinel.options import check_forwards
-from ti_core.sink import RunInfo, Sink, SinkCapabilities
+from ti_core.sink import RunInfo, Sink
 from ti_schema import (
     histogram_schema,
     history_schema,
@@ -271,7 +271,9 @@ def attach(model: nn.Module, options: Options) -> None:
         capture_direct_forwards=options.capture_direct_forwards,
         columns=columns,
         capabilities=capabilities,
-        background=_background_allowed(plan, capabilities, errors),
+        background=placement.worker_allowed(
+            default_only=plan.default_only, raises=errors.raises, capabilities=capabilities
+        ),
         signals=options.chosen_signals,
         update_budget_bytes=options.update_budget_bytes,
         sentinel=options.chosen_sentinel,
@@ -307,25 +309,6 @@ def _open_sinks(sinks: Sequence[Sink], run: RunInfo) -> None:
             with suppress(Exception):  # the open failure is the error worth reporting
                 s.close()
         raise
-
-
-def _background_allowed(
-    plan: ReductionPlan, capabilities: Sequence[SinkCapabilities], errors: ErrorPolicy
-) -> bool:
-    """Whether reductions and writes may leave the training thread (docs/capture.md, "Where
-    the reduction runs").
-
-    Only when nothing the user wrote runs there and nothing must fail on the training thread:
-    the default profile only (a custom reducer is user code), every sink declares
-    ``SinkCapabilities(background_writes=True)`` (the Sink protocol promises calls on the
-    training thread otherwise), and the error policy is not ``raise`` (which must raise in the
-    training step).
-    """
-    return (
-        plan.default_only
-        and not errors.raises
-        and all(declared.background_writes for declared in capabilities)
-    )
 
 
 def remove_observer(model: nn.Module) -> None:

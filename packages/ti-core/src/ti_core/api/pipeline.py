@@ -20,7 +20,7 @@ from typing import Any, Final, Unpack
 
 from torch import nn
 
-from ti_core.api import inject_observer, observer_of, remove_observer
+from ti_core.api.observe import inject_observer, observer_of, remove_observer
 from ti_core.errors import TelemetryWarning
 from ti_core.options import ObserverOptions
 from ti_schema import PipelineStageFacts

@@ -3,7 +3,8 @@
 Ownership: a :class:`TensorBatch` is filled by the thread that captures (a sampled forward, or a
 backward delivering gradients) and finished once, by whoever emits the signal (that thread, or
 the emission worker). It holds snapshots, never the live tensors it was given, except a tensor
-too big for :data:`SNAPSHOT_BUDGET_BYTES`, which is reduced at once, in place.
+too big for the snapshot budget, which is reduced at once, in place
+(:mod:`ti_core.reduction.placement` decides where each tensor is reduced).
 """
 
 from __future__ import annotations
@@ -13,26 +14,21 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import torch
 
 from ti_core import _torch
-from ti_core.capture.sharding import is_sharded, measurable, placements_suffix, shape_of
-from ti_core.capture.snapshots import SnapshotPool
 from ti_core.entries import Entries, Entry
-from ti_core.reduction import layout
+from ti_core.reduction import layout, placement
 from ti_core.reduction.histograms import DEFAULT_BINS, HistogramRows
 from ti_core.reduction.plan import ReductionPlan
+from ti_core.reduction.sharding import is_sharded, measurable, placements_suffix, shape_of
 from ti_core.reduction.slots import SlotReduction
+from ti_core.reduction.snapshots import SnapshotPool
 from ti_core.reduction.support import dtype_name
 from ti_schema import PLACEMENT_MISMATCH_REASON
-
-SNAPSHOT_BUDGET_BYTES: Final[int] = 64 * 2**20
-"""Tensors are cloned for a batched reduction until a batch holds this much; beyond it, pending
-tensors are reduced at once (a bigger tensor is reduced in place, without a copy). Also the
-emission worker's bound on the snapshot bytes it holds queued."""
 
 
 def tensor_version(tensor: torch.Tensor) -> int | None:
@@ -303,7 +299,7 @@ class TensorBatch:
     def _slot(self, tensor: torch.Tensor, focus: bool, reason: str | None = None) -> int:
         """The slot of ``tensor``: the same unchanged tensor seen before, or a new snapshot
         (or, for a tensor that is not plain, a slot without one and with the ``reason`` it is
-        not measured, :func:`~ti_core.capture.sharding.measurable`)."""
+        not measured, :func:`~ti_core.reduction.sharding.measurable`)."""
         key = id(tensor)
         version = tensor_version(tensor)
         seen = self._seen.get(key)
@@ -322,7 +318,7 @@ class TensorBatch:
         if t.device.type != "cpu":
             self.host_only = False
         nbytes = t.numel() * t.element_size()
-        fits = self._bytes + nbytes <= SNAPSHOT_BUDGET_BYTES
+        fits = not placement.reduce_at_once(self._bytes, nbytes)
         if not fits:
             snap = t
         elif self._pool is not None and SnapshotPool.poolable(t):
@@ -342,9 +338,7 @@ class TensorBatch:
         if fits:
             self._bytes += nbytes
         else:
-            # The capturing thread waits for this pass; a helper thread may share it only
-            # where the user let torch use more than one intra-op thread.
-            self._reduce_pending(parallel=torch.get_num_threads() > 1)
+            self._reduce_pending(parallel=placement.share_at_once())
         return slot
 
     def _unavailable_slot(
@@ -446,7 +440,6 @@ class TensorBatch:
 
 
 __all__ = [
-    "SNAPSHOT_BUDGET_BYTES",
     "EntryStructure",
     "Reduced",
     "Row",

@@ -2,12 +2,12 @@
 
 One gate per observer. It is the :class:`~ti_core.capture.hooks.CaptureTarget` every forward
 hook calls, and the one owner of every hook: the module hooks and overrides
-(:mod:`ti_core.hook_installation`, which keeps the exact remover of each, so removal can never
+(:mod:`ti_core.gate.hook_installation`, which keeps the exact remover of each, so removal can never
 miss one), and with the parameter signals on torch's global optimizer step hooks
-(:mod:`ti_core.optimizer_hooks`, installed only while a sampled forward waits for its
+(:mod:`ti_core.gate.optimizer_hooks`, installed only while a sampled forward waits for its
 optimizer step) and, through :class:`~ti_core.capture.parameters.ParameterCapture`, the
 post-accumulate-grad hooks of a sample's parameters. Its side of the protocol with compiled
-graphs is :mod:`ti_core.compiled_gate`.
+graphs is :mod:`ti_core.gate.compiled`.
 
 State (:class:`GateState`, one value per gate, changed under its lock)::
 
@@ -21,7 +21,7 @@ State (:class:`GateState`, one value per gate, changed under its lock)::
 
 - ``IDLE``: only the two root hooks exist; an unsampled root forward runs them and nothing else.
 - ``CAPTURING``: per-module capture (``_call_impl`` overrides, forward hooks, or ``forward``
-  overrides: :class:`~ti_core.hook_installation.HookInstallation`) is installed;
+  overrides: :class:`~ti_core.gate.hook_installation.HookInstallation`) is installed;
   samples may be in flight on several threads (:attr:`Gate.in_flight`).
 - ``COMPILED``: the model runs under ``torch.compile`` (:mod:`ti_core.compiled`). Per-module
   capture stays installed until removal, because Dynamo guards on module hooks and changing
@@ -37,7 +37,7 @@ Independently of the state, while an update window waits to be closed
 
 Per-thread state (nesting depth of root calls, the frame of the outermost one, this thread's
 current :class:`~ti_core.capture.sample.Sample`) lives in a ``threading.local``
-(:mod:`ti_core.root_nesting`): each thread's forwards are sampled and recorded independently.
+(:mod:`ti_core.gate.root_nesting`): each thread's forwards are sampled and recorded independently.
 """
 
 from __future__ import annotations
@@ -54,17 +54,17 @@ from typing import Any, Final, Protocol
 
 from torch import nn
 
-from ti_core.capture.context import in_backward
+from ti_core.call_context import in_backward
 from ti_core.capture.parameters import ParameterCapture
 from ti_core.capture.sample import Sample
 from ti_core.compiled import operators
 from ti_core.compiled.sites import Sites
-from ti_core.compiled_gate import CompiledGate
 from ti_core.cost import CostMeter
 from ti_core.errors import ErrorPolicy
-from ti_core.hook_installation import HookInstallation
-from ti_core.optimizer_hooks import OptimizerHooks
-from ti_core.root_nesting import ScopedRoots, ThreadRoots, has_ancestor
+from ti_core.gate.compiled import CompiledGate
+from ti_core.gate.hook_installation import HookInstallation
+from ti_core.gate.optimizer_hooks import OptimizerHooks
+from ti_core.gate.root_nesting import ScopedRoots, ThreadRoots, has_ancestor
 from ti_core.sampling import Sampler
 from ti_core.selection import compiled_wrappers
 from ti_core.sentinel.recorder import SENTINEL_STAGE, FlightRecorder

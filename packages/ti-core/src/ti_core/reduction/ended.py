@@ -7,6 +7,9 @@ A signal of one sample ends when its capture is complete: the root forward retur
 (``parameter_update``), or the observer was removed first. The capture module that sees it end
 builds the :class:`EndedSignal` and calls :meth:`SignalTarget.emit`; the target (the observer)
 writes or queues it (:mod:`ti_core.emission`) and names a failure by :attr:`EndedSignal.stage`.
+
+It lives here, below capture and emission alike, so that neither imports the other: what
+passes between them is a batch for the reduction, with the sample it belongs to.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ti_core.capture.batch import TensorBatch
 from ti_core.entries import Gaps
 from ti_core.errors import ErrorPolicy
+from ti_core.reduction.batch import TensorBatch
 from ti_core.stages import stage_of
 from ti_schema import Signal
 

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from ti_core import _torch
-from ti_core.capture.context import in_backward
+from ti_core.call_context import in_backward
 from ti_core.capture.gradients import GradHook
 from ti_core.capture.sample import Sample
 from ti_core.capture.traced_calls import record_traced_call
 from ti_core.compiled.operators import TraceFlags
 from ti_core.compiled.sites import Sites
 from ti_core.errors import ErrorPolicy
-from ti_core.root_nesting import ThreadRoots
+from ti_core.gate.root_nesting import ThreadRoots
 from ti_core.sampling import Sampler
 from ti_core.sentinel.recorder import SENTINEL_STAGE, FlightRecorder
 from ti_core.stages import SAMPLING, stage_of
