@@ -17,11 +17,12 @@ def test_every_signal_has_its_capture_and_emission_stage() -> None:
         "parameter_update": ("parameter update capture", "parameter update emission"),
         "optimizer_state": ("optimizer state capture", "optimizer state emission"),
         "attention": ("attention capture", "attention emission"),
+        "input": ("input capture", "input emission"),
     }
 
 
 def test_a_new_signal_needs_no_stage_of_its_own() -> None:
-    assert stage_of("input", "capture") == "input capture"
+    assert stage_of("residual", "capture") == "residual capture"
     assert stage_of("activation_norm", "emission") == "activation norm emission"
 
 

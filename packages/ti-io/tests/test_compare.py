@@ -235,7 +235,7 @@ def test_bad_input_is_refused_with_exit_codes(
         ([str(a), str(ranks / "rank-000"), "--metric", "median"], 1, "matches no metric"),
         ([str(a), str(ranks / "rank-000"), "--onset", "-1"], 2, "sample id"),
         ([str(a), str(ranks / "rank-000"), "--csv", "--json"], 2, "not allowed with"),
-        ([str(a), str(ranks / "rank-000"), "--signal", "input"], 2, "invalid choice"),
+        ([str(a), str(ranks / "rank-000"), "--signal", "activations"], 2, "invalid choice"),
     ]
     for args, code, message in cases:
         assert main(["compare", *args]) == code, args

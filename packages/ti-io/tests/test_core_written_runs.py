@@ -258,8 +258,10 @@ def test_parameter_signals_of_a_core_written_run(runs: Path) -> None:
         ("optimizer_state", "weight.exp_avg"),
         ("optimizer_state", "weight.exp_avg_sq"),
         ("optimizer_state", "weight.grad_sq_over_v"),
+        # contract 1.5: the module's argument, as its call starts
+        ("input", "[0]"),
     ]
-    assert encoder["tensors"][-1]["statistics"]["std"]["observations"] == 4
+    assert encoder["tensors"][-2]["statistics"]["std"]["observations"] == 4
     assert "head/call0/optimizer_state.weight.exp_avg" in set(_tensorboard_tags(runs / "finalized"))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -227,6 +227,7 @@ def test_parameter_signals_are_values_of_1_2() -> None:
         "parameter_update",
         "optimizer_state",
         "attention",
+        "input",
     )
     assert ti_schema.SIGNALS[:5] == ti_schema.DEFAULT_SIGNALS + ti_schema.PARAMETER_SIGNALS
     assert {s for s, minor in ti_schema.SIGNAL_ADDED_IN.items() if minor == 2} == set(
@@ -234,6 +235,7 @@ def test_parameter_signals_are_values_of_1_2() -> None:
     )
     assert ti_schema.SIGNAL_ADDED_IN["optimizer_state"] == 5
     assert ti_schema.SIGNAL_ADDED_IN["attention"] == 5
+    assert ti_schema.SIGNAL_ADDED_IN["input"] == 5
     table = example_history_table(rows=400, signals=ti_schema.SIGNALS[:5])
     assert set(table.column("signal").to_pylist()) == set(ti_schema.SIGNALS[:5])
     assert set(table.column("tensor_path").to_pylist()) == {"", "weight", "bias"}

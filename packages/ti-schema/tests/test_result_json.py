@@ -105,7 +105,7 @@ INVALID: dict[str, tuple[Callable[[Any], None], str]] = {
     "tensor not an object": (_set(TENSOR, [1]), "$[0].tensors[0]"),
     "negative call_index": (_set((*TENSOR, "call_index"), -1), "$[0].tensors[0].call_index"),
     "fractional call_index": (_set((*TENSOR, "call_index"), 1.5), "$[0].tensors[0].call_index"),
-    "unknown signal": (_set((*TENSOR, "signal"), "input"), "$[0].tensors[0].signal"),
+    "unknown signal": (_set((*TENSOR, "signal"), "activations"), "$[0].tensors[0].signal"),
     "unknown mode": (_set((*TENSOR, "mode"), "inference"), "$[0].tensors[0].mode"),
     "grad_enabled not bool": (_set((*TENSOR, "grad_enabled"), 1), "grad_enabled"),
     "shape entry negative": (_set((*TENSOR, "latest_shape", 1), -10), "latest_shape[1]"),

@@ -31,7 +31,9 @@ from ti_schema.result_json import RESULT_JSON_SCHEMA, result_json_schema
 from ti_schema.testing import example_histogram_table, example_history_table
 from ti_schema.version import SCHEMA_MINOR
 
-NEW = SignalSpec("input", "a tensor in the input of a selected module's call", SCHEMA_MINOR)
+NEW = SignalSpec(
+    "residual", "a tensor of the residual stream at a selected module's call", SCHEMA_MINOR
+)
 EXTENDED = SIGNAL_DECLARATION.extended([NEW])
 
 
@@ -56,7 +58,7 @@ def test_the_named_constants_are_derived_from_the_declaration() -> None:
     assert {s.name: s.definition for s in SIGNAL_DECLARATION} == SIGNAL_DEFINITIONS
     assert _doc(history_schema()) == (
         "'output', 'output_gradient', 'parameter', 'parameter_gradient', 'parameter_update', "
-        "'optimizer_state' or 'attention'"
+        "'optimizer_state', 'attention' or 'input'"
     )
 
 
@@ -67,14 +69,14 @@ def test_a_declaration_refuses_a_signal_named_twice() -> None:
 
 def test_the_schemas_list_an_added_signal() -> None:
     for build in (history_schema, histogram_schema):
-        assert "'input'" in _doc(build(signals=EXTENDED))
-        assert "'input'" not in _doc(build())
+        assert "'residual'" in _doc(build(signals=EXTENDED))
+        assert "'residual'" not in _doc(build())
         assert build(signals=EXTENDED).equals(build())  # the same columns and types
 
 
 def test_the_validators_accept_an_added_signal_only_with_its_declaration() -> None:
-    history = _relabel(example_history_table(), "output", "input")
-    histograms = _relabel(example_histogram_table(), "output", "input")
+    history = _relabel(example_history_table(), "output", "residual")
+    histograms = _relabel(example_histogram_table(), "output", "residual")
     with pytest.raises(SchemaMismatchError, match="allowed values"):
         validate_history(history)
     with pytest.raises(SchemaMismatchError, match="allowed values"):
@@ -85,8 +87,8 @@ def test_the_validators_accept_an_added_signal_only_with_its_declaration() -> No
 
 def test_the_validators_apply_an_added_signals_contract_version() -> None:
     """Data of this contract version may not hold a signal a later minor adds."""
-    later = SIGNAL_DECLARATION.extended([SignalSpec("input", NEW.definition, SCHEMA_MINOR + 1)])
-    history = _relabel(example_history_table(), "output", "input")
+    later = SIGNAL_DECLARATION.extended([SignalSpec("residual", NEW.definition, SCHEMA_MINOR + 1)])
+    history = _relabel(example_history_table(), "output", "residual")
     with pytest.raises(SchemaMismatchError, match=rf"signals of contract 1\.{SCHEMA_MINOR + 1}"):
         validate_history(history, signals=later)
 
@@ -116,9 +118,9 @@ def _result_with(signal: str) -> list[dict[str, Any]]:
 
 def test_result_json_follows_an_added_signal() -> None:
     schema = result_json_schema(EXTENDED)
-    assert schema["$defs"]["tensor"]["properties"]["signal"]["enum"] == [*SIGNALS, "input"]
+    assert schema["$defs"]["tensor"]["properties"]["signal"]["enum"] == [*SIGNALS, "residual"]
     assert result_json_schema() == RESULT_JSON_SCHEMA
-    doc = _result_with("input")
+    doc = _result_with("residual")
     jsonschema.validate(doc, schema)
     validate_result_json(doc, signals=EXTENDED)
     with pytest.raises(jsonschema.ValidationError):

@@ -263,7 +263,7 @@ def test_a_null_value_without_a_reason_is_refused(table: pa.Table) -> None:
     assert "first at row 0" in str(errors_of(broken))
 
 
-@pytest.mark.parametrize(("column", "bad"), [("signal", "input"), ("mode", "inference")])
+@pytest.mark.parametrize(("column", "bad"), [("signal", "activations"), ("mode", "inference")])
 def test_signal_and_mode_domains(table: pa.Table, column: str, bad: str) -> None:
     values = table.column(column).to_pylist()
     values[3] = bad
@@ -364,7 +364,7 @@ def test_row_groups_checked_alone_report_what_the_whole_table_does(table: pa.Tab
     ranks = table.column("rank").to_pylist()
     ranks[7] = ranks[40] = ranks[41] = -1
     signals = table.column("signal").to_pylist()
-    signals[2], signals[50] = "input", "weights"
+    signals[2], signals[50] = "activations", "weights"
     value = table.column("value").to_pylist()
     reason = table.column("unavailable_reason").to_pylist()
     available = [i for i, r in enumerate(reason) if r is None]
@@ -390,7 +390,7 @@ def test_row_groups_checked_alone_report_what_the_whole_table_does(table: pa.Tab
     assert sorted(map(str, merged)) == sorted(map(str, whole))
     text = "\n".join(map(str, merged))
     assert "column 'rank': 3 negative value(s), first at row 7" in text
-    assert "holds ['input', 'weights']" in text
+    assert "holds ['activations', 'weights']" in text
     assert f"2 row(s), first at row {available[3]}" in text
     assert text.count("extra") == 1
     empty = row_group_problems(iter([]), HISTORY_CONTRACT, table.schema)

@@ -24,6 +24,7 @@ from torch import nn
 from ti_core.capture.gradients import GradientTarget, LeafHooks
 from ti_core.capture.parameters import ParameterCapture
 from ti_core.capture.sample import Sample
+from ti_core.capture.signals import call_signals
 from ti_core.capture.updates import DEFAULT_UPDATE_BUDGET_BYTES
 from ti_core.cost import CostMeter
 from ti_core.emission.emitters import BackgroundEmitter, Emitter, InlineEmitter
@@ -78,6 +79,8 @@ class Observer:
         )
         """id of each selected module -> its layer, when the attention signal is on."""
         """The signals this observer records (``inject_observer(signals=)``)."""
+        self._call_signals = call_signals(self.signals)
+        """The call signals recorded (``input``: :mod:`ti_core.capture.signals`)."""
         self._errors = errors
         self._leaf_hooks = LeafHooks()
         self._plan = plan
@@ -132,6 +135,7 @@ class Observer:
             owner=self,
             parameters=self.parameters,
             call_overrides=not any(isinstance(m, nn.DataParallel) for m in root.modules()),
+            call_signals=self._call_signals,
             sentinel=self.recorder if sentinel is not None else None,
             meter=self.meter,
         )
@@ -252,6 +256,7 @@ class Observer:
             signals=self.signals,
             parameters=parameters,
             attention=self._attention_layers,
+            call_signals=self._call_signals,
         )
 
     # ------------------------------------------------------------------ SignalTarget (capture)

@@ -22,6 +22,7 @@ Signal = Literal[
     "parameter_update",
     "optimizer_state",
     "attention",
+    "input",
 ]
 """A value of the ``signal`` column (the names of :data:`SIGNAL_DECLARATION`, in its order)."""
 
@@ -161,12 +162,19 @@ SIGNAL_DECLARATION: Final[SignalDeclaration] = SignalDeclaration(
             "(tensor_path sdpa[k]: its k-th call in that module call)",
             added_in_minor=5,
         ),
+        SignalSpec(
+            "input",
+            "a tensor among the positional and keyword arguments of a selected module's call, "
+            "as the call starts (tensor_path [i] for the i-th positional argument, ['name'] for "
+            "a keyword argument)",
+            added_in_minor=5,
+        ),
     )
 )
 """Every signal of the contract, in the order readers list them: a module's output, the
 gradient with respect to it, (contract 1.2) the module's own parameters, their gradients and
-their updates, and (1.5) the optimizer's state of them and the attention logits
-(docs/data-contract.md)."""
+their updates, and (1.5) the optimizer's state of them, the attention logits and the module's
+inputs (docs/data-contract.md)."""
 
 if get_args(Signal) != SIGNAL_DECLARATION.names:  # pragma: no cover - a declaration mistake
     raise AssertionError(

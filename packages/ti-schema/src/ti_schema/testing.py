@@ -142,6 +142,8 @@ def _tensors(signals: Sequence[Signal] = DEFAULT_SIGNALS) -> Any:
                                 yield sample, layer, module_type, signal, f"{name}.{part}"
                 elif signal == "attention":
                     yield sample, layer, module_type, signal, "sdpa[0]"
+                elif signal == "input":
+                    yield sample, layer, module_type, signal, "[0]"
                 elif signal not in PARAMETER_SIGNALS:
                     yield sample, layer, module_type, signal, ""
                 elif module_type == "Linear":

@@ -151,7 +151,10 @@ def inject_observer(model: nn.Module, **options: Unpack[ObserverOptions]) -> Non
     opt-in ``"parameter"``, ``"parameter_gradient"`` and ``"parameter_update"`` measure the
     parameters each selected module owns directly, their ``.grad`` after the sampled forward's
     backward, and the change the next optimizer step makes to them; ``"optimizer_state"`` an
-    Adam-type optimizer's moments of them after that step (docs/capture.md).
+    Adam-type optimizer's moments of them after that step; ``"attention"`` the attention
+    logits of the ``scaled_dot_product_attention`` calls inside a selected module;
+    ``"input"`` each tensor among a selected call's arguments, as the call starts
+    (docs/capture.md).
     ``update_budget_bytes`` bounds the copies that measuring updates needs (default 256 MiB);
     parameters beyond it get unavailable rows naming it.
 

@@ -44,9 +44,10 @@ class CaptureTarget(Protocol):
         caller: FrameType | None = None,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
+        module: nn.Module | None = None,
     ) -> None:
         """A root forward starts (``caller``: the frame running the root's hooks; ``args``,
-        ``kwargs``: its arguments)."""
+        ``kwargs``: its arguments; ``module``: the root)."""
         ...
 
     def root_exit(self, module: nn.Module, output: Any) -> None:
@@ -64,6 +65,13 @@ class CaptureTarget(Protocol):
 
     def capture(self, layer: int, module: nn.Module, output: Any) -> None:
         """A selected module (``layer``: its index among the selected) returned ``output``."""
+        ...
+
+    def capture_start(
+        self, layer: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A call of a selected module starts with ``args`` and ``kwargs`` (installed only
+        when a call signal such as ``input`` is recorded)."""
         ...
 
 
@@ -132,11 +140,11 @@ class RootPreHook(HookObject):
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if is_compiling():
-            traced.root_enter(self.key)
+            traced.root_enter(self.key, module, args, kwargs)
         else:
             if module.__dict__.get("_is_replica"):  # a DataParallel replica of the root
                 self.target.replica_entered(module)
-            self.target.root_enter(sys._getframe(1), args, kwargs)
+            self.target.root_enter(sys._getframe(1), args, kwargs, module)
 
 
 class RootPostHook(HookObject):
@@ -170,6 +178,24 @@ class CallHook(HookObject):
             traced.call(self.key, self.layer, module, output)
         else:
             self.target.capture(self.layer, module, output)
+
+
+class CallPreHook(HookObject):
+    """Forward pre-hook (with the keyword arguments) of a selected module, installed beside its
+    :class:`CallHook` when a call signal is recorded: the call's arguments as it starts."""
+
+    __slots__ = ("key", "layer", "target")
+
+    def __init__(self, target: CaptureTarget, layer: int) -> None:
+        self.target = target
+        self.key = target.trace_key
+        self.layer = layer
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if is_compiling():
+            traced.call_start(self.key, self.layer, module, args, kwargs)
+        else:
+            self.target.capture_start(self.layer, module, args, kwargs)
 
 
 class InstanceForward(HookObject):
@@ -208,7 +234,7 @@ class ForwardOverride(InstanceForward):
     call is counted twice. ``previous`` is the instance ``forward`` the user had set, if any.
     """
 
-    __slots__ = ("key", "layer")
+    __slots__ = ("key", "layer", "starts")
 
     def __init__(
         self,
@@ -216,13 +242,22 @@ class ForwardOverride(InstanceForward):
         layer: int,
         module: nn.Module,
         previous: Callable[..., Any] | None,
+        *,
+        starts: bool = False,
     ) -> None:
         super().__init__(target, module, previous)
         self.key = target.trace_key
         self.layer = layer
+        self.starts = starts
+        """Whether a call signal is recorded: the arguments are handed over first."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
+        if self.starts and module is not None:
+            if is_compiling():
+                traced.call_start(self.key, self.layer, module, args, kwargs)
+            else:
+                self.target.capture_start(self.layer, module, args, kwargs)
         if self.previous is not None:
             output = self.previous(*args, **kwargs)
         elif module is not None:
@@ -256,7 +291,7 @@ class RootForwardOverride(InstanceForward):
         target = self.target
         if target.in_root_forward(caller):
             return forward(*args, **kwargs)
-        target.root_enter(caller, args, kwargs)
+        target.root_enter(caller, args, kwargs, module)
         try:
             output = forward(*args, **kwargs)
         except BaseException:
@@ -302,6 +337,23 @@ class CallOverride(HookObject):
         return output
 
 
+class StartingCallOverride(CallOverride):
+    """A :class:`CallOverride` that also hands the call's arguments over as it starts (what
+    the gate installs when a call signal such as ``input`` is recorded): the arguments given
+    to ``module(...)``, before the module's own pre-hooks and forward run."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        if module is not None:
+            if is_compiling():
+                traced.call_start(self.key, self.layer, module, args, kwargs)
+            else:
+                self.target.capture_start(self.layer, module, args, kwargs)
+        return super().__call__(*args, **kwargs)
+
+
 class PassthroughCall:
     """What a copied :class:`CallOverride` becomes: torch's ``_call_impl`` of its module, which
     removes itself from the module at its first call."""
@@ -327,10 +379,11 @@ def call_overridable(module: nn.Module) -> bool:
 
 
 def install_call_override(
-    target: CaptureTarget, layer: int, module: nn.Module
+    target: CaptureTarget, layer: int, module: nn.Module, *, starts: bool = False
 ) -> Callable[[], None]:
-    """Put a :class:`CallOverride` on ``module``; return the function that removes it."""
-    override = CallOverride(target, layer, module)
+    """Put a :class:`CallOverride` on ``module`` (a :class:`StartingCallOverride` with
+    ``starts``); return the function that removes it."""
+    override = (StartingCallOverride if starts else CallOverride)(target, layer, module)
     module.__dict__[_torch.CALL_IMPL_ATTRIBUTE] = override
     module_ref = weakref.ref(module)
 
@@ -351,12 +404,11 @@ def remove_call_overrides(root: nn.Module) -> None:
 
 
 def install_forward_override(
-    target: CaptureTarget, layer: int, module: nn.Module
+    target: CaptureTarget, layer: int, module: nn.Module, *, starts: bool = False
 ) -> Callable[[], None]:
     """Put a :class:`ForwardOverride` on ``module``; return the function that undoes it exactly."""
-    return _set_forward(
-        module, ForwardOverride(target, layer, module, module.__dict__.get("forward"))
-    )
+    previous = module.__dict__.get("forward")
+    return _set_forward(module, ForwardOverride(target, layer, module, previous, starts=starts))
 
 
 def install_root_forward_override(target: CaptureTarget, root: nn.Module) -> Callable[[], None]:
@@ -386,12 +438,15 @@ def _set_forward(module: nn.Module, override: InstanceForward) -> Callable[[], N
 # Met as frames of their own (called by the eager Module._call_impl under torch.compile), these
 # run eagerly, as without compile. A forward override is not listed: its frame runs the module's
 # forward, which Dynamo must compile.
-traced.run_hooks_eagerly_as_frames(RootPreHook.__call__, RootPostHook.__call__, CallHook.__call__)
+traced.run_hooks_eagerly_as_frames(
+    RootPreHook.__call__, RootPostHook.__call__, CallHook.__call__, CallPreHook.__call__
+)
 
 
 __all__ = [
     "CallHook",
     "CallOverride",
+    "CallPreHook",
     "CaptureTarget",
     "ForwardOverride",
     "HookObject",
@@ -400,6 +455,7 @@ __all__ = [
     "RootForwardOverride",
     "RootPostHook",
     "RootPreHook",
+    "StartingCallOverride",
     "call_overridable",
     "install_call_override",
     "install_forward_override",

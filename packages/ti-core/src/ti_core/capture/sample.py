@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ti_core.call_context import in_reentrant_checkpoint
+from ti_core.call_signals import CallSignal
 from ti_core.capture.attention import AttentionCalls
 from ti_core.capture.gradients import GradientState, GradientTarget
 from ti_core.capture.parameters import ParameterSample
@@ -57,7 +58,8 @@ class Sample:
     shared by every entry of one tensor.
 
     ``signals`` are the signals recorded (``inject_observer(signals=)``); this class records
-    ``output`` and ``output_gradient``, and hands the parameter signals to ``parameters``.
+    ``output`` and ``output_gradient``, the call signals (``input``: :meth:`record_start`),
+    and hands the parameter signals to ``parameters``.
     """
 
     __slots__ = (
@@ -73,6 +75,8 @@ class Sample:
         "sample_id",
         "signals",
         "snapshots",
+        "start_calls",
+        "starts",
         "target",
     )
 
@@ -86,6 +90,7 @@ class Sample:
         signals: Collection[str] = DEFAULT_SIGNALS,
         parameters: ParameterSample | None = None,
         attention: dict[int, int] | None = None,
+        call_signals: tuple[CallSignal, ...] = (),
     ) -> None:
         self.sample_id = sample_id
         self.forward_index = forward_index
@@ -106,6 +111,17 @@ class Sample:
         take their identity from."""
         self.parameters = parameters
         """The parameter signals of this forward (None when they are off)."""
+        self.starts: tuple[tuple[CallSignal, TensorBatch], ...] = ()
+        """Each call signal recorded (``input``, :mod:`ti_core.capture.signals`), with the
+        batch of its tensors."""
+        self.start_calls: dict[int, int] = {}
+        """Per layer, the calls that started (numbered in the order they start, as
+        :attr:`calls` numbers them in the order they return: the same, but for a module
+        called inside its own forward)."""
+        if call_signals:
+            owner = target()
+            if owner is not None:
+                self.starts = tuple((signal, owner.new_batch()) for signal in call_signals)
         self.attention: AttentionCalls | None = None
         """The attention calls of this forward, intercepted while it runs (``attention``
         given the selected modules by id: the signal is on)."""
@@ -145,6 +161,33 @@ class Sample:
         train = bool(module.training)
         for path, tensor in leaves:
             self._record(layer, call, path, train, tensor, stamp)
+
+    def record_start(
+        self, layer: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A call of the selected module ``layer`` starts with ``args`` and ``kwargs``: snapshot
+        each call signal's tensors among them, before the forward can change them in place."""
+        calls = self.start_calls
+        call = calls.get(layer, 0)
+        calls[layer] = call + 1
+        stamp = _time_ns() // 1000
+        train = bool(module.training)
+        grad_enabled = _is_grad_enabled()
+        for signal, batch in self.starts:
+            try:
+                for path, tensor in signal.source(args, kwargs, tensor_leaves):
+                    if type(tensor) is not _Tensor:
+                        path = leaf_path(path, tensor)
+                    batch.add(tensor, layer, call, path, train, grad_enabled, stamp)
+            except Exception as error:
+                self.start_failed(signal, error)
+
+    def start_failed(self, signal: CallSignal, error: Exception) -> None:
+        """Recording ``signal`` at a call's start raised: to the error policy, as that
+        signal's capture (the other signals, and the call's output, are still recorded)."""
+        target = self.target()
+        if target is not None:
+            target.errors.handle(stage_of(signal.name, "capture"), error)
 
     def _record(
         self, layer: int, call: int, path: str, train: bool, tensor: torch.Tensor, stamp: int
@@ -188,6 +231,10 @@ class Sample:
         if target is None:  # pragma: no cover - the observer holds the gate that holds this
             return
         try:
+            for signal, batch in self.starts:
+                if len(batch):
+                    ended = EndedSignal(signal.name, self.sample_id, self.forward_index, batch)
+                    target.emit(ended)
             if attention is not None and (len(attention.batch) or attention.gaps):
                 target.emit(
                     EndedSignal(

@@ -77,4 +77,28 @@ def record_traced_call(
     return hooks
 
 
-__all__ = ["NESTED_REASON", "record_traced_call"]
+def record_traced_start(
+    sample: Sample,
+    layer: int,
+    paths: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    train: bool,
+    grad_enabled: bool,
+    signals: Sequence[int],
+) -> None:
+    """Record the start of one call in ``sample``: each tensor (``signals``: the index of its
+    call signal among the sample's) in that signal's batch, as
+    :meth:`~ti_core.capture.sample.Sample.record_start` does eagerly (a fresh ``detach()``
+    alias each, as for outputs)."""
+    call = sample.start_calls.get(layer, 0)
+    sample.start_calls[layer] = call + 1
+    stamp = now_us()
+    for path, tensor, k in zip(paths, tensors, signals, strict=True):
+        signal, batch = sample.starts[k]
+        try:
+            batch.add(tensor.detach(), layer, call, path, train, grad_enabled, stamp)
+        except Exception as error:
+            sample.start_failed(signal, error)
+
+
+__all__ = ["NESTED_REASON", "record_traced_call", "record_traced_start"]

@@ -38,6 +38,7 @@ import torch
 from ti_core._torch import EffectType
 
 if TYPE_CHECKING:
+    from ti_core.call_signals import CallSignal
     from ti_core.compiled.slots import FlagSlots
 
 NAMESPACE: Final[str] = "ti"
@@ -138,6 +139,20 @@ class CompiledTarget(Protocol):
         what receives its gradient (None: nothing recorded)."""
         ...
 
+    def compiled_record_start(
+        self,
+        tensors: list[torch.Tensor],
+        layer: int,
+        site: int,
+        train: bool,
+        grad_enabled: bool,
+        signals: list[int],
+    ) -> None:
+        """Run time: one call of a selected module starts in a sampled compiled forward;
+        ``signals``: per tensor, its call signal (an index into
+        :attr:`TraceFlags.call_signals`)."""
+        ...
+
 
 class TraceFlags:
     """What traced code reads of one gate at trace time.
@@ -147,6 +162,7 @@ class TraceFlags:
     """
 
     __slots__ = (
+        "call_signals",
         "gradient_checks",
         "gradient_slots",
         "root_layer",
@@ -170,6 +186,9 @@ class TraceFlags:
         """The sentinel's gradient slots, which inductor's backward graphs write."""
         self.root_layer = root_layer
         """Index of the root among the selected modules, or None."""
+        self.call_signals: tuple[CallSignal, ...] = ()
+        """The call signals recorded (``input``; fixed at attach): the traced pre-hooks hand
+        their tensors to ``record_call`` as each call starts."""
         self.tickets: list[torch.Tensor] | None = None
         """Trace time only: while a sampled root forward whose root hooks are traced is being
         traced, the tickets of its captures (``end`` takes them as inputs so it runs after
@@ -263,6 +282,39 @@ def _record_call_fake(
     train: bool,
     grad_enabled: bool,
     kinds: list[int],
+) -> torch.Tensor:
+    return torch.empty((len(tensors),), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::record_start", mutates_args=(), tags=_TAGS)
+def record_start(
+    tensors: list[torch.Tensor],
+    key: int,
+    layer: int,
+    site: int,
+    train: bool,
+    grad_enabled: bool,
+    signals: list[int],
+) -> torch.Tensor:
+    """One call of a selected module starts in a sampled compiled forward: record the call
+    signals' ``tensors`` among its arguments (``signals``: per tensor, the index of its call
+    signal in the flags' :attr:`TraceFlags.call_signals`; ``site`` numbers their paths).
+    Returns a ticket, which ``end`` waits for when the root's hooks are traced."""
+    target = target_of(key)
+    if target is not None:
+        target.compiled_record_start(tensors, layer, site, train, grad_enabled, signals)
+    return torch.zeros(len(tensors), dtype=torch.int64)
+
+
+@record_start.register_fake
+def _record_start_fake(
+    tensors: list[torch.Tensor],
+    key: int,
+    layer: int,
+    site: int,
+    train: bool,
+    grad_enabled: bool,
+    signals: list[int],
 ) -> torch.Tensor:
     return torch.empty((len(tensors),), dtype=torch.int64, device="cpu")
 
@@ -375,7 +427,7 @@ torch.library.register_fake(f"{NAMESPACE}::check_grad", lambda *args: None, lib=
 _LIBRARY._register_effectful_op(f"{NAMESPACE}::check_grad", EffectType.ORDERED)
 check_grad: Final = torch.ops.ti.check_grad.default
 
-OPERATORS: Final = (begin, record_call, record_grad, end, advance, check)
+OPERATORS: Final = (begin, record_call, record_start, record_grad, end, advance, check)
 """The ``custom_op`` operators (``check_grad`` is defined with ``_LIBRARY``)."""
 for _op in OPERATORS:
     _op.register_effect(EffectType.ORDERED)
@@ -399,6 +451,7 @@ __all__ = [
     "end",
     "record_call",
     "record_grad",
+    "record_start",
     "register",
     "target_of",
     "unregister",

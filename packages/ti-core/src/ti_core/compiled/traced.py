@@ -41,6 +41,7 @@ from ti_core.compiled.operators import (
     end,
     record_call,
     record_grad,
+    record_start,
     target_of,
 )
 from ti_core.compiled.slots import all_finite, can_be_nonfinite, flag_into, real_view
@@ -217,6 +218,39 @@ def _capture(key: int, flags: TraceFlags, layer: int, module: nn.Module, output:
             tensor.register_hook(_reporter(ticket, position))  # type: ignore[no-untyped-call]
 
 
+def _capture_start(
+    key: int,
+    flags: TraceFlags,
+    layer: int,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> None:
+    """One call of a selected module starts in a sampled forward being traced: one
+    ``record_start`` holding every call signal's tensors among its arguments (also for a call
+    without any, which still counts as a call)."""
+    paths: list[str] = []
+    tensors: list[Tensor] = []
+    signals: list[int] = []
+    for k, signal in enumerate(flags.call_signals):
+        for path, tensor in signal.source(args, kwargs, traced_leaves):
+            paths.append(path)
+            tensors.append(tensor)
+            signals.append(k)
+    ticket = record_start(
+        tensors,
+        key,
+        layer,
+        _site(key, tuple(paths)),
+        bool(module.training),
+        is_grad_enabled(),
+        signals,
+    )
+    tickets = flags.tickets
+    if tickets is not None:  # the root hooks are traced in this graph: ``end`` waits for it
+        tickets.append(ticket)
+
+
 def _grad_flagger(slots: Tensor, sequence: Tensor, slot: int) -> Callable[[Tensor], None]:
     """The sentinel's gradient hook for one output tensor in an inductor graph: its gradient
     checked into ``slot`` of the gradient slots by the backward graph itself (inductor's
@@ -306,7 +340,20 @@ def call(key: int, layer: int, module: nn.Module, output: Any) -> None:
         _capture(key, flags, layer, module, output)
 
 
-def root_enter(key: int) -> None:
+def call_start(
+    key: int, layer: int, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> None:
+    """Traced forward pre-hook of a selected module (also the traced start of an override),
+    present only when a call signal is recorded."""
+    _enter_compiled(key, False)
+    flags = FLAGS[key]
+    if flags.sampled and flags.call_signals:
+        _capture_start(key, flags, layer, module, args, kwargs)
+
+
+def root_enter(
+    key: int, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> None:
     """Traced root pre-hook: the root's hooks are inlined into this graph (decided ahead)."""
     _enter_compiled(key, True)
     flags = FLAGS[key]
@@ -314,6 +361,8 @@ def root_enter(key: int) -> None:
         begin(key)
         # A list made in the trace: Dynamo neither guards on it nor keeps its tensors alive.
         flags.tickets = []
+        if flags.root_layer is not None and flags.call_signals:
+            _capture_start(key, flags, flags.root_layer, module, args, kwargs)
 
 
 def root_exit(key: int, module: nn.Module, output: Any) -> None:
@@ -349,6 +398,7 @@ __all__ = [
     "CUDA_GRAPHS_REFUSED",
     "NESTED",
     "call",
+    "call_start",
     "cuda_graphs_requested",
     "is_compiling",
     "root_enter",

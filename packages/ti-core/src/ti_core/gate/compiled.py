@@ -24,7 +24,7 @@ from ti_core import _torch
 from ti_core.call_context import in_backward
 from ti_core.capture.gradients import GradHook
 from ti_core.capture.sample import Sample
-from ti_core.capture.traced_calls import record_traced_call
+from ti_core.capture.traced_calls import record_traced_call, record_traced_start
 from ti_core.compiled.operators import TraceFlags
 from ti_core.compiled.sites import Sites
 from ti_core.errors import ErrorPolicy
@@ -209,6 +209,21 @@ class CompiledGate:
         except Exception as error:
             self._errors.handle(_OUTPUT_CAPTURE, error)
             return None
+
+    def compiled_record_start(
+        self,
+        tensors: list[torch.Tensor],
+        layer: int,
+        site: int,
+        train: bool,
+        grad_enabled: bool,
+        signals: list[int],
+    ) -> None:
+        sample = self._local.sample
+        if sample is None or in_backward():
+            return
+        paths = self._sites.paths(site)  # interned by this gate at trace time
+        record_traced_start(sample, layer, paths, tensors, train, grad_enabled, signals)
 
 
 __all__ = ["CompiledGate"]

@@ -55,6 +55,7 @@ from typing import Any, Final, Protocol
 from torch import nn
 
 from ti_core.call_context import in_backward
+from ti_core.call_signals import CallSignal
 from ti_core.capture.parameters import ParameterCapture
 from ti_core.capture.sample import Sample
 from ti_core.compiled import operators
@@ -119,8 +120,12 @@ class Gate(CompiledGate):
         call_overrides: bool = True,
         sentinel: FlightRecorder | None = None,
         meter: CostMeter | None = None,
+        call_signals: tuple[CallSignal, ...] = (),
     ) -> None:
         self._root_layer = root_layer
+        self._starts = bool(call_signals)
+        """Whether a call signal (``input``) is recorded: each selected call is handed over as
+        it starts, too (:meth:`capture_start`)."""
         self._sampler = sampler
         self._errors = errors
         # The owner holds the gate; the gate refers back weakly (no reference cycle).
@@ -137,11 +142,13 @@ class Gate(CompiledGate):
             root_layer,
             direct=capture_direct_forwards,
             call_overrides=call_overrides,
+            starts=self._starts,
         )
         """Every module hook and override (changed under the lock)."""
         # Compiled graphs (ti_core.compiled): the key traced hooks carry, the flags the graphs
         # read at trace time, the tensor paths they record, the decision taken ahead.
         self._trace_key, self._flags = operators.register(self, root_layer)
+        self._flags.call_signals = call_signals
         self._sites = Sites()
         self._ahead: tuple[int, bool] | None = None
         # The parameter signals: their hooks, and torch's global optimizer step hooks.
@@ -324,13 +331,15 @@ class Gate(CompiledGate):
         caller: FrameType | None = None,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
+        module: nn.Module | None = None,
     ) -> None:
         """Forward pre-hook of the root: decide whether this root forward is sampled.
 
         ``caller`` is the frame that runs the root's hooks; it tells a genuinely nested root call
         from state left behind by a root forward that a BaseException (KeyboardInterrupt)
         interrupted, which skips the always-called forward hook. ``args`` and ``kwargs``: the
-        forward's arguments (the flight recorder's replay mode keeps them).
+        forward's arguments (the flight recorder's replay mode keeps them; a selected root's
+        call signals read them); ``module``: the root.
         """
         local = self._local
         if local.paused:
@@ -377,6 +386,9 @@ class Gate(CompiledGate):
             self._start_sample(local, index)
         except Exception as error:
             self._errors.handle(SAMPLING, error)
+            return
+        if self._starts and self._root_layer is not None and module is not None:
+            self.capture_start(self._root_layer, module, args, kwargs or {})
 
     def _start_sample(self, local: ThreadRoots, index: int) -> None:
         """Start this thread's sample of the sampled root forward ``index``."""
@@ -458,6 +470,19 @@ class Gate(CompiledGate):
             self._errors.handle(SENTINEL_STAGE, error)
         if self._local.sample is not None:
             self._record(layer, module, output)
+
+    def capture_start(
+        self, layer: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A call of a selected module starts: its call signals are recorded when this
+        thread's root forward is sampled (installed only when one is on). Failures go to the
+        error policy as each signal's capture (:meth:`Sample.record_start`)."""
+        if self._local.paused:
+            return
+        sample = self._local.sample
+        if sample is None or in_backward():
+            return
+        sample.record_start(layer, module, args, kwargs)
 
     def _record(self, layer: int, module: nn.Module, output: Any) -> None:
         sample = self._local.sample

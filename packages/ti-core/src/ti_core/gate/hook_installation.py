@@ -24,6 +24,7 @@ from torch import nn
 
 from ti_core.capture.hooks import (
     CallHook,
+    CallPreHook,
     CaptureTarget,
     RootPostHook,
     RootPreHook,
@@ -45,8 +46,13 @@ class HookInstallation:
         *,
         direct: bool,
         call_overrides: bool,
+        starts: bool = False,
     ) -> None:
         self._modules = [weakref.ref(m) for m in modules]
+        self._starts = starts
+        """Whether a call signal is recorded: per-module capture also hands over each call's
+        arguments as it starts (a pre-hook beside each forward hook; the starting variant of
+        each override)."""
         self._root_layer = root_layer
         self._direct = direct
         self._call_overrides = call_overrides
@@ -87,12 +93,21 @@ class HookInstallation:
                 module = ref()
                 if module is None or layer == self._root_layer:
                     continue
+                starts = self._starts
                 if self._direct:
-                    self._capture_removers.append(install_forward_override(target, layer, module))
+                    remove = install_forward_override(target, layer, module, starts=starts)
+                    self._capture_removers.append(remove)
                 elif overrides and call_overridable(module):
-                    self._capture_removers.append(install_call_override(target, layer, module))
+                    remove = install_call_override(target, layer, module, starts=starts)
+                    self._capture_removers.append(remove)
                     self.overrides = True
                 else:
+                    if starts:
+                        pre = CallPreHook(target, layer)
+                        handle = module.register_forward_pre_hook(
+                            pre, prepend=True, with_kwargs=True
+                        )
+                        self._capture_removers.append(handle.remove)
                     handle = module.register_forward_hook(CallHook(target, layer))
                     self._capture_removers.append(handle.remove)
         except BaseException:
