@@ -108,7 +108,9 @@ def _observed(model: nn.Module, x: torch.Tensor, **options: Any) -> Any:
     sink = MemorySink()
     inject_observer(model, sink=sink, output_dir=None, **options)
     try:
-        model(x).sum().backward()
+        loss = model(x).sum()
+        if loss.requires_grad:
+            loss.backward()
     finally:
         remove_observer(model)
     return sink.table()
@@ -273,3 +275,88 @@ def test_a_call_signal_is_one_module_found_at_import(tmp_path: Path) -> None:
             del sys.modules[name]
     assert signals_package.call_signals(["output", "input"]) == (CALL_SIGNALS["input"],)
     assert signals_package.call_signals(["output"]) == ()
+
+
+class Flaky(nn.Module):
+    """Raises on its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("not yet")
+        return x * 2
+
+
+class Retrying(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Flaky()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.child(x + 100)
+        except RuntimeError:
+            return self.child(x)
+
+
+class Recursive(nn.Module):
+    """Calls itself once, with other arguments: the root's calls return inner first."""
+
+    def forward(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        if depth == 0:
+            return self(x * 100, depth=1) + x
+        return x + 1
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["call-overrides", "forward-overrides"])
+def test_a_call_that_raised_leaves_no_input_and_the_next_call_keeps_its_own(direct: bool) -> None:
+    model = Retrying()
+    x = torch.ones(2, 3)
+    table = _observed(
+        model,
+        x,
+        signals=WITH_INPUT,
+        selector=EVERY,
+        sampler=AlwaysSampler(),
+        capture_direct_forwards=direct,
+    )
+    child = rows(table, signal="input", layer="child", metric="mean")
+    assert [(r["call_index"], r["value"]) for r in child] == [(0, 1.0)]  # not the x + 100
+    output = rows(table, signal="output", layer="child", metric="mean")
+    assert [(r["call_index"], r["value"]) for r in output] == [(0, 2.0)]
+
+
+def test_a_root_called_inside_its_own_forward_pairs_each_input_with_its_output() -> None:
+    model = Recursive()
+    x = torch.ones(3)
+    table = _observed(model, x, signals=WITH_INPUT, selector=EVERY, sampler=AlwaysSampler())
+    inputs = {r["call_index"]: r["value"] for r in rows(table, signal="input", metric="mean")}
+    outputs = {r["call_index"]: r["value"] for r in rows(table, signal="output", metric="mean")}
+    # the inner call returns first (call 0): input 100, output 101; the outer: 1 and 102
+    assert inputs == {0: 100.0, 1: 1.0}
+    assert outputs == {0: 101.0, 1: 102.0}
+
+
+def test_with_direct_forwards_the_arguments_are_those_forward_receives() -> None:
+    """``capture_direct_forwards=True`` reads the arguments inside the ``forward`` override,
+    after the module's own pre-hooks (as its output is read before its forward hooks)."""
+    torch.manual_seed(0)
+
+    def measured(direct: bool) -> float | None:
+        model = nn.Sequential(nn.Linear(3, 3))
+        model[0].register_forward_pre_hook(lambda module, args: (args[0] * 0,))
+        table = _observed(
+            model,
+            torch.ones(2, 3),
+            signals=WITH_INPUT,
+            sampler=AlwaysSampler(),
+            capture_direct_forwards=direct,
+        )
+        return stats(table, signal="input", layer="0")["mean"]
+
+    assert measured(False) == 1.0  # module(...)'s arguments, before its pre-hooks
+    assert measured(True) == 0.0

@@ -16,7 +16,7 @@ from ti_core import _torch
 
 def test_graph_task_id_is_minus_one_outside_a_backward_and_set_inside() -> None:
     """Tells a hook run by a backward (activation checkpointing's recomputation) from one run
-    by a forward, and one backward from the next (capture/context.py,
+    by a forward, and one backward from the next (call_context.py,
     capture/parameter_gradients.py)."""
     assert _torch.current_graph_task_id() == -1
     seen: list[int] = []

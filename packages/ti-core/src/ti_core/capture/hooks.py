@@ -74,6 +74,10 @@ class CaptureTarget(Protocol):
         when a call signal such as ``input`` is recorded)."""
         ...
 
+    def abandon_start(self, layer: int) -> None:
+        """The call of ``layer`` that :meth:`capture_start` saw last raised (no output)."""
+        ...
+
 
 def _inert(*args: object, **kwargs: object) -> None:
     """What a copied hook becomes: returns None, and on a module call removes its kind."""
@@ -253,17 +257,24 @@ class ForwardOverride(InstanceForward):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
+        starts = False
         if self.starts and module is not None:
-            if is_compiling():
+            if is_compiling():  # an exception aborts the graph, and the sample with it
                 traced.call_start(self.key, self.layer, module, args, kwargs)
             else:
                 self.target.capture_start(self.layer, module, args, kwargs)
-        if self.previous is not None:
-            output = self.previous(*args, **kwargs)
-        elif module is not None:
-            output = type(module).forward(module, *args, **kwargs)
-        else:  # pragma: no cover - the module owns this object through its __dict__
-            raise ReferenceError("module of this forward override is gone")
+                starts = True
+        try:
+            if self.previous is not None:
+                output = self.previous(*args, **kwargs)
+            elif module is not None:
+                output = type(module).forward(module, *args, **kwargs)
+            else:  # pragma: no cover - the module owns this object through its __dict__
+                raise ReferenceError("module of this forward override is gone")
+        except BaseException:
+            if starts:
+                self.target.abandon_start(self.layer)
+            raise
         if module is not None:
             if is_compiling():
                 traced.call(self.key, self.layer, module, output)
@@ -346,12 +357,17 @@ class StartingCallOverride(CallOverride):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
-        if module is not None:
-            if is_compiling():
-                traced.call_start(self.key, self.layer, module, args, kwargs)
-            else:
-                self.target.capture_start(self.layer, module, args, kwargs)
-        return super().__call__(*args, **kwargs)
+        if module is None:  # pragma: no cover - the module owns this object through its __dict__
+            raise ReferenceError("module of this call override is gone")
+        if is_compiling():
+            traced.call_start(self.key, self.layer, module, args, kwargs)
+            return super().__call__(*args, **kwargs)
+        self.target.capture_start(self.layer, module, args, kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            self.target.abandon_start(self.layer)
+            raise
 
 
 class PassthroughCall:

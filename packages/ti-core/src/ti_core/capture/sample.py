@@ -63,19 +63,20 @@ class Sample:
     """
 
     __slots__ = (
+        "abandoned",
         "attention",
         "calls",
         "forward",
         "forward_index",
         "gaps",
         "gradients",
+        "open_starts",
         "output_gradients",
         "outputs",
         "parameters",
         "sample_id",
         "signals",
         "snapshots",
-        "start_calls",
         "starts",
         "target",
     )
@@ -114,10 +115,13 @@ class Sample:
         self.starts: tuple[tuple[CallSignal, TensorBatch], ...] = ()
         """Each call signal recorded (``input``, :mod:`ti_core.capture.signals`), with the
         batch of its tensors."""
-        self.start_calls: dict[int, int] = {}
-        """Per layer, the calls that started (numbered in the order they start, as
-        :attr:`calls` numbers them in the order they return: the same, but for a module
-        called inside its own forward)."""
+        self.open_starts: dict[int, list[list[tuple[TensorBatch, int]]]] = {}
+        """Per layer, the calls that started and have not returned, innermost last: the
+        entries each added to the call signals' batches. A call's entries take its output's
+        call index when it returns (:meth:`close_start`); a call that never returns leaves
+        them in :attr:`abandoned`."""
+        self.abandoned: list[tuple[TensorBatch, int]] = []
+        """Call-signal entries of calls that raised: dropped when the sample ends."""
         if call_signals:
             owner = target()
             if owner is not None:
@@ -143,6 +147,8 @@ class Sample:
         calls = self.calls
         call = calls.get(layer, 0)
         calls[layer] = call + 1
+        if self.starts:
+            self.close_start(layer, call)
         if isinstance(output, _Tensor):
             path = "" if type(output) is _Tensor else leaf_path("", output)
             if self.parameters is not None:
@@ -166,21 +172,50 @@ class Sample:
         self, layer: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """A call of the selected module ``layer`` starts with ``args`` and ``kwargs``: snapshot
-        each call signal's tensors among them, before the forward can change them in place."""
-        calls = self.start_calls
-        call = calls.get(layer, 0)
-        calls[layer] = call + 1
+        each call signal's tensors among them, before the forward can change them in place
+        (their call index is the output's, given when the call returns)."""
         stamp = _time_ns() // 1000
         train = bool(module.training)
         grad_enabled = _is_grad_enabled()
+        added: list[tuple[TensorBatch, int]] = []
         for signal, batch in self.starts:
             try:
                 for path, tensor in signal.source(args, kwargs, tensor_leaves):
                     if type(tensor) is not _Tensor:
                         path = leaf_path(path, tensor)
-                    batch.add(tensor, layer, call, path, train, grad_enabled, stamp)
+                    batch.add(tensor, layer, 0, path, train, grad_enabled, stamp)
+                    added.append((batch, len(batch.rows) - 1))
             except Exception as error:
                 self.start_failed(signal, error)
+        self.open_starts.setdefault(layer, []).append(added)
+
+    def close_start(self, layer: int, call: int) -> None:
+        """The innermost open call of ``layer`` returned as call ``call``: its call-signal
+        entries take that index."""
+        stack = self.open_starts.get(layer)
+        if stack:
+            for batch, row in stack.pop():
+                batch.renumber(row, call)
+
+    def abandon_start(self, layer: int) -> None:
+        """The innermost open call of ``layer`` raised: its call-signal entries are dropped
+        (there is no call index to give them)."""
+        stack = self.open_starts.get(layer)
+        if stack:
+            self.abandoned += stack.pop()
+
+    def _drop_unreturned(self) -> None:
+        """Drop the call-signal entries of calls that raised or never returned."""
+        dropped = self.abandoned
+        for stack in self.open_starts.values():
+            for added in stack:
+                dropped += added
+        self.open_starts = {}
+        self.abandoned = []
+        for _, batch in self.starts:
+            rows = [row for owner, row in dropped if owner is batch]
+            if rows:
+                batch.discard(rows)
 
     def start_failed(self, signal: CallSignal, error: Exception) -> None:
         """Recording ``signal`` at a call's start raised: to the error policy, as that
@@ -231,6 +266,8 @@ class Sample:
         if target is None:  # pragma: no cover - the observer holds the gate that holds this
             return
         try:
+            if self.starts:
+                self._drop_unreturned()
             for signal, batch in self.starts:
                 if len(batch):
                     ended = EndedSignal(signal.name, self.sample_id, self.forward_index, batch)

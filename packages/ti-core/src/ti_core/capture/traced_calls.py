@@ -47,6 +47,8 @@ def record_traced_call(
     ``record_grad`` calls (None: no gradient will be recorded for it)."""
     call = sample.calls.get(layer, 0)
     sample.calls[layer] = call + 1
+    if sample.starts:
+        sample.close_start(layer, call)
     hooks: list[GradHook | None] = [None] * len(tensors)
     if not tensors:
         return hooks
@@ -89,16 +91,17 @@ def record_traced_start(
     """Record the start of one call in ``sample``: each tensor (``signals``: the index of its
     call signal among the sample's) in that signal's batch, as
     :meth:`~ti_core.capture.sample.Sample.record_start` does eagerly (a fresh ``detach()``
-    alias each, as for outputs)."""
-    call = sample.start_calls.get(layer, 0)
-    sample.start_calls[layer] = call + 1
+    alias each, as for outputs); the call's ``record_call`` gives them its call index."""
     stamp = now_us()
+    added = []
     for path, tensor, k in zip(paths, tensors, signals, strict=True):
         signal, batch = sample.starts[k]
         try:
-            batch.add(tensor.detach(), layer, call, path, train, grad_enabled, stamp)
+            batch.add(tensor.detach(), layer, 0, path, train, grad_enabled, stamp)
+            added.append((batch, len(batch.rows) - 1))
         except Exception as error:
             sample.start_failed(signal, error)
+    sample.open_starts.setdefault(layer, []).append(added)
 
 
 __all__ = ["NESTED_REASON", "record_traced_call", "record_traced_start"]

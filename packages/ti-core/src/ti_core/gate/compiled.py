@@ -222,8 +222,12 @@ class CompiledGate:
         sample = self._local.sample
         if sample is None or in_backward():
             return
-        paths = self._sites.paths(site)  # interned by this gate at trace time
-        record_traced_start(sample, layer, paths, tensors, train, grad_enabled, signals)
+        try:
+            paths = self._sites.paths(site)
+            record_traced_start(sample, layer, paths, tensors, train, grad_enabled, signals)
+        except Exception as error:  # each signal's own failures are named by the sample
+            if sample.starts:
+                sample.start_failed(sample.starts[0][0], error)
 
 
 __all__ = ["CompiledGate"]

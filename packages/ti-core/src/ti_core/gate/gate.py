@@ -350,6 +350,8 @@ class Gate(CompiledGate):
             depth = 0
         local.depth = depth + 1
         if depth:
+            if self._starts and local.sample is not None and module is not None:
+                self._nested_root_start(module, args, kwargs or {})
             return
         local.outer = caller
         if self._state is _CLOSED or in_backward():
@@ -470,6 +472,21 @@ class Gate(CompiledGate):
             self._errors.handle(SENTINEL_STAGE, error)
         if self._local.sample is not None:
             self._record(layer, module, output)
+
+    def _nested_root_start(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """The root is called inside its own sampled forward: a call of the root layer (its
+        output is recorded at each exit), when the root is selected."""
+        if self._root_layer is not None:
+            self.capture_start(self._root_layer, module, args, kwargs)
+
+    def abandon_start(self, layer: int) -> None:
+        """A call of ``layer`` whose start was recorded raised: its call-signal entries are
+        dropped."""
+        sample = self._local.sample
+        if sample is not None and not self._local.paused:
+            sample.abandon_start(layer)
 
     def capture_start(
         self, layer: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,6 +361,19 @@ class TensorBatch:
         self._slot_dtype.append(dtype)
         self._reduction.given(slot, values, self._plan.metric_names, reason)
         return slot
+
+    def renumber(self, row: int, call_index: int) -> None:
+        """Give entry ``row`` of :attr:`rows` the call index ``call_index`` (a call signal's
+        entries, recorded as their call started, take the index of the call's output)."""
+        layer, _, path, train, grad_enabled, slot = self.rows[row]
+        self.rows[row] = (layer, call_index, path, train, grad_enabled, slot)
+
+    def discard(self, rows: Iterable[int]) -> None:
+        """Drop the entries ``rows`` of :attr:`rows` (their snapshots are still reduced, and
+        not written): a call signal's entries of a call that never returned."""
+        for row in sorted(set(rows), reverse=True):
+            del self.rows[row]
+            del self.stamps[row]
 
     def add_measured(
         self,
