@@ -1,4 +1,4 @@
-"""Reproduce five training faults and find them in TorchInstruments artifacts.
+"""Reproduce six training faults and find them in TorchInstruments artifacts.
 
     python examples/find_problems.py --output runs/demo
 

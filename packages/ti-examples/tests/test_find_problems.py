@@ -19,7 +19,7 @@ import torch
 from ti_examples.cli import main
 from ti_examples.experiments import ProblemResult, describe
 from ti_examples.plotting import draw_comparison
-from ti_examples.problems import PROBLEMS, VARIANTS
+from ti_examples.problems import LOSS, PROBLEMS, VARIANTS
 from ti_examples.training import ExperimentConfig, make_batches, train
 from ti_io import compare_runs, read_events
 from ti_io.cli import main as ti_main
@@ -107,7 +107,7 @@ def test_each_experiment_writes_its_report(demo: tuple[Path, list[ProblemResult]
         for variant in VARIANTS:
             assert f"<th>{variant}</th>" in page
         for panel in result.problem.panels:
-            if panel.tensor_path == "" and panel.metric != "l2_norm":
+            if panel.tensor_path == "" and panel.metric != "l2_norm" and panel.signal != LOSS:
                 assert f"<h2>{panel.signal} {panel.metric}</h2>" in page
                 assert f"<td>{panel.layer}</td>" in page
 
@@ -291,6 +291,52 @@ def test_detached(demo: tuple[Path, list[ProblemResult]]) -> None:
                 assert got == all_samples, f"{variant} {layer}: a gradient row for every sample"
         head = set(grads.filter(pl.col("layer") == "head")["sample_id"].unique().to_list())
         assert head == all_samples
+
+
+def test_attention_logits_grow_before_the_loss_falls_behind(
+    demo: tuple[Path, list[ProblemResult]],
+) -> None:
+    """The attention's largest logit (the ``attention`` signal's ``max``) is ten times its
+    healthy level while the loss is still with the baseline's; the loss falls behind later
+    and stays there; QK-layernorm keeps the logits bounded and the loss with the baseline's."""
+    output, results = demo
+    result = next(r for r in results if r.problem.name == "attention_logits")
+    steps = result.problem.min_steps
+    assert len(result.losses["broken"]) == steps  # the experiment's own minimum length
+    frame = result.series.filter(pl.col("variant").is_in(["baseline", "broken", "fixed"]))
+
+    def values(series: str, variant: str) -> np.ndarray:
+        rows = frame.filter(pl.col("series") == series, pl.col("variant") == variant)
+        assert rows.height == steps // SAMPLE_EVERY
+        assert rows["value"].null_count() == 0
+        return rows.sort("sample_id")["value"].to_numpy()
+
+    logit = "attn.sdpa[0] attention max"
+    loss = "training loop loss mse"
+    onset = ONSET_STEP // SAMPLE_EVERY
+    healthy = values(logit, "broken")[:onset].max()
+    grown = np.flatnonzero(values(logit, "broken") >= 10 * healthy)
+    behind = np.flatnonzero(values(loss, "broken") >= 2 * values(loss, "baseline"))
+    assert grown.size
+    assert behind.size
+    assert grown[0] >= onset
+    assert behind[0] >= grown[0] + 5, (grown[0], behind[0])  # at least five samples later
+    late = slice(-steps // SAMPLE_EVERY // 4, None)  # the last quarter of the run
+    assert np.median(values(loss, "broken")[late]) > 2 * np.median(values(loss, "baseline")[late])
+    assert values(logit, "broken")[late].min() > 100 * healthy
+    fixed = values(logit, "fixed")
+    assert fixed.max() < 2 * fixed[:onset].max()  # QK-layernorm bounds the logits
+    assert np.median(values(loss, "fixed")[late]) < 1.5 * np.median(values(loss, "baseline")[late])
+    # the loss series is the training loop's own loss at each sampled step
+    broken_loss = frame.filter(pl.col("series") == loss, pl.col("variant") == "broken")
+    for step, value in broken_loss.select("forward_index", "value").iter_rows():
+        assert value == result.losses["broken"][step]
+    # the recorded attention rows are the attention module's, one sdpa call per forward
+    attention = history(output, "attention_logits", "broken").filter(
+        pl.col("signal") == "attention"
+    )
+    assert set(attention["layer"]) == {"attn"}
+    assert set(attention["tensor_path"]) == {"sdpa[0]"}
 
 
 def test_observer_is_passive_and_exact(demo: tuple[Path, list[ProblemResult]]) -> None:

@@ -38,7 +38,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--steps",
         type=int,
         default=defaults.steps,
-        help=f"training steps per run (default: {defaults.steps})",
+        help=(
+            f"training steps per run (default: {defaults.steps}; attention_logits trains at "
+            "least 100)"
+        ),
     )
     parser.add_argument(
         "--sample-every",

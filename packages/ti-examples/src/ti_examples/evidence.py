@@ -1,7 +1,9 @@
 """Evidence read back from the written artifacts with Polars: series, tables and CSV.
 
-Everything here reads ``history.parquet`` (through ``ti_io.scan_history``), never the objects of
-the training process, so what it shows is exactly what a user finds on disk.
+Every recorded series is read from ``history.parquet`` (through ``ti_io.scan_history``), never
+from the objects of the training process, so what it shows is exactly what a user finds on disk.
+The one exception is a loss panel (``problems.LOSS``): the loss the training loop computed at
+each sampled step, which no observer records.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 
-from ti_examples.problems import VARIANTS, Panel, Variant
+from ti_examples.problems import LOSS, VARIANTS, Panel, Variant
 from ti_io import scan_history
 
 SERIES_COLUMNS = (
@@ -84,12 +86,16 @@ def _panel_values(history: pl.LazyFrame, panel: Panel) -> pl.DataFrame:
     )
 
 
-def run_series(run_dir: Path, panels: Sequence[Panel]) -> pl.DataFrame:
+def run_series(
+    run_dir: Path, panels: Sequence[Panel], losses: Sequence[float] | None = None
+) -> pl.DataFrame:
     """One row per (sampled forward, panel) of one run; ``value`` is null where nothing was written.
 
     Every sampled forward appears, so a gradient that never arrived is a null row (a gap in the
     plot), never a zero. Panels read call 0 of their tensor path (``""``: the bare tensor
-    output); a derived metric (``problems.DERIVED_METRICS``) is computed from the recorded ones.
+    output); a derived metric (``problems.DERIVED_METRICS``) is computed from the recorded ones;
+    a :data:`~ti_examples.problems.LOSS` panel takes the training loop's ``losses`` (one per
+    step) at each sampled step.
     """
     history = scan_history(run_dir)
     samples = (
@@ -101,8 +107,20 @@ def run_series(run_dir: Path, panels: Sequence[Panel]) -> pl.DataFrame:
     )
     frames = []
     for panel in panels:
+        if panel.signal == LOSS:
+            if losses is None:
+                raise ValueError(f"the panel {panel.label!r} needs the training loop's losses")
+            steps = pl.DataFrame(
+                {"forward_index": range(len(losses)), "value": list(losses)},
+                schema={"forward_index": pl.Int64, "value": pl.Float64},
+            )
+            values = samples.join(steps, on="forward_index", how="left").select(
+                "sample_id", "value"
+            )
+        else:
+            values = _panel_values(history, panel)
         frames.append(
-            samples.join(_panel_values(history, panel), on="sample_id", how="left").with_columns(
+            samples.join(values, on="sample_id", how="left").with_columns(
                 series=pl.lit(panel.label),
                 layer=pl.lit(panel.layer),
                 tensor_path=pl.lit(panel.tensor_path),
@@ -114,11 +132,17 @@ def run_series(run_dir: Path, panels: Sequence[Panel]) -> pl.DataFrame:
 
 
 def comparison_frame(
-    run_dirs: Mapping[Variant, Path], panels: Sequence[Panel], onset_step: int
+    run_dirs: Mapping[Variant, Path],
+    panels: Sequence[Panel],
+    onset_step: int,
+    losses: Mapping[Variant, Sequence[float]] | None = None,
 ) -> pl.DataFrame:
-    """The evidence series of every variant, with ``after_onset`` marking faulty forwards."""
+    """The evidence series of every variant, with ``after_onset`` marking faulty forwards
+    (``losses``: each variant's loss per step, for a loss panel)."""
     frames = [
-        run_series(path, panels).with_columns(variant=pl.lit(variant))
+        run_series(path, panels, None if losses is None else losses[variant]).with_columns(
+            variant=pl.lit(variant)
+        )
         for variant, path in run_dirs.items()
     ]
     return (

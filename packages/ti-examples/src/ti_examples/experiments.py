@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import polars as pl
 
 from ti_examples.evidence import comparison_frame, evidence_table, onset_sample
 from ti_examples.plotting import plot_comparison
-from ti_examples.problems import DERIVED_METRICS, PROBLEMS, VARIANTS, Problem, Variant
+from ti_examples.problems import DERIVED_METRICS, LOSS, PROBLEMS, VARIANTS, Problem, Variant
 from ti_examples.training import ExperimentConfig, run_variant
 from ti_io import read_events
 from ti_io.read.events import describe_event
@@ -54,13 +54,14 @@ def run_problem(
 ) -> ProblemResult:
     """Train the three matched runs, then write comparison.csv, comparison.png and
     report.html."""
+    config = replace(config, steps=max(config.steps, problem.min_steps))
     directories = run_dirs(output_dir, problem)
     losses: dict[Variant, list[float]] = {}
     for variant, run_dir in directories.items():
         losses[variant] = run_variant(problem, variant, run_dir, config)
         if on_run_done is not None:
             on_run_done(problem, variant)
-    series = comparison_frame(directories, problem.panels, config.onset_step)
+    series = comparison_frame(directories, problem.panels, config.onset_step, losses)
     first_faulty = onset_sample(series)
     problem_dir = output_dir / problem.name
     csv_path = problem_dir / "comparison.csv"
@@ -76,13 +77,12 @@ def run_problem(
         sample_every=config.sample_every,
         path=problem_dir / "comparison.png",
     )
+    recorded = [panel for panel in problem.panels if panel.signal != LOSS]
     report = write_report(
         {variant: str(path) for variant, path in directories.items()},
         problem_dir / "report.html",
-        signals=sorted({panel.signal for panel in problem.panels}),
-        metrics=sorted(
-            {panel.metric for panel in problem.panels if panel.metric not in DERIVED_METRICS}
-        ),
+        signals=sorted({panel.signal for panel in recorded}),
+        metrics=sorted({panel.metric for panel in recorded if panel.metric not in DERIVED_METRICS}),
     )
     return ProblemResult(
         problem=problem,
@@ -108,7 +108,7 @@ def _broken_events(problem: Problem, run_dir: Path) -> tuple[str, ...]:
 
 
 def select_problems(names: Iterable[str] | None = None) -> list[Problem]:
-    """The named problems (all five when ``names`` is None), with a clear error for typos."""
+    """The named problems (all of them when ``names`` is None), with a clear error for typos."""
     if names is None:
         return list(PROBLEMS.values())
     chosen = []

@@ -128,3 +128,70 @@ class HiddenNormMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.fc2(self.norm(self.act(self.fc1(x))))
         return out
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through ``scaled_dot_product_attention``.
+
+    ``qk_norm`` applies a parameter-free layer norm to each head's query and key before the
+    attention (QK-layernorm, Wortsman et al. 2023): it bounds the attention logits and adds no
+    parameters, so a seed gives the same weights with and without it.
+    """
+
+    def __init__(self, width: int, heads: int, *, qk_norm: bool = False) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not a multiple of heads {heads}")
+        self.heads = heads
+        self.head_dim = width // heads
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
+        self.o = nn.Linear(width, width)
+        self.qk_norm = qk_norm
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = h.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, tokens, self.heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+        if self.qk_norm:
+            q = nn.functional.layer_norm(q, (self.head_dim,))
+            k = nn.functional.layer_norm(k, (self.head_dim,))
+        y = nn.functional.scaled_dot_product_attention(q, k, v)
+        out: torch.Tensor = self.o(y.transpose(1, 2).reshape(batch, tokens, width))
+        return out
+
+
+class FeatureTransformer(nn.Module):
+    """A regressor that reads each input feature as a token: feature ``i`` becomes
+    ``x_i * embed[i] + position[i]``, a learned summary token is put first, one pre-norm block
+    (attention without a residual around it, then a residual MLP), and a linear head on the
+    summary token.
+
+    Without the residual around the attention, the summary token sees the features only
+    through the attention: when its softmax saturates on one token, the model loses the others.
+    """
+
+    def __init__(self, features: int, width: int = 32, heads: int = 2, *, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(features, width))
+        self.position = nn.Parameter(torch.randn(features, width) * 0.5)
+        self.summary = nn.Parameter(torch.randn(1, 1, width) * 0.5)
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = SelfAttention(width, heads, qk_norm=qk_norm)
+        self.norm2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.norm_out = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.unsqueeze(-1) * self.embed + self.position
+        h = torch.cat([self.summary.expand(x.shape[0], 1, -1), h], dim=1)
+        h = self.attn(self.norm1(h))
+        h = h + self.fc2(nn.functional.gelu(self.fc1(self.norm2(h))))
+        out: torch.Tensor = self.head(self.norm_out(h)[:, 0])
+        return out

@@ -1,4 +1,4 @@
-"""The five debugging experiments: what breaks, how it is introduced, what fixes it.
+"""The six debugging experiments: what breaks, how it is introduced, what fixes it.
 
 Each :class:`Problem` describes three matched runs that share the seed, the batches and the
 optimizer. ``baseline`` trains normally; ``broken`` introduces the fault at the onset step;
@@ -15,7 +15,14 @@ from typing import ClassVar, Final, Literal
 import torch
 from torch import nn
 
-from ti_examples.models import MLP, FeatureBankNet, HiddenNormMLP, StandardizedMLP
+from ti_core.selection import Selector
+from ti_examples.models import (
+    MLP,
+    FeatureBankNet,
+    FeatureTransformer,
+    HiddenNormMLP,
+    StandardizedMLP,
+)
 from ti_schema import DEFAULT_SIGNALS, Signal
 
 Variant = Literal["baseline", "broken", "fixed"]
@@ -32,6 +39,10 @@ DERIVED_METRICS: Final[dict[str, str]] = {
     "at the same sample",
 }
 """Series computed from recorded metrics (evidence.py), beside the metrics themselves."""
+
+LOSS: Final[str] = "loss"
+"""The ``signal`` of a panel that plots the training loop's loss at each sampled step (the
+loss the loop computed, not a recorded tensor)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,8 @@ class Problem(ABC):
     lr: ClassVar[float] = 0.05
     signals: ClassVar[tuple[Signal, ...]] = DEFAULT_SIGNALS
     """What the observer records (``inject_observer(signals=)``): the panels' signals."""
+    min_steps: ClassVar[int] = 0
+    """Training steps the fault needs to show (the run is at least this long)."""
     sentinel: ClassVar[bool] = False
     """Whether the broken run carries the flight recorder's sentinel (``inject_observer(
     sentinel=True)``): its event names the module and forward where the fault began, with the
@@ -76,6 +89,11 @@ class Problem(ABC):
     @abstractmethod
     def build_model(self, variant: Variant) -> nn.Module:
         """The model for ``variant``; parameters must not depend on the variant."""
+
+    def selector(self) -> Selector | None:
+        """Which modules the observer selects (``inject_observer(selector=)``; None: the leaf
+        modules)."""
+        return None
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The optimizer every variant uses."""
@@ -236,7 +254,69 @@ class Detached(Problem):
         model.bank_enabled = True
 
 
+def _attention_modules(name: str, module: nn.Module) -> bool:
+    """The leaf modules and the attention module (which owns the attention's projections)."""
+    return name == "attn" or next(iter(module.children()), None) is None
+
+
+class AttentionLogits(Problem):
+    name = "attention_logits"
+    fault = (
+        "A learning-rate bug gives the attention's query and key projections 10x the learning "
+        "rate of the rest of the model (a parameter group's schedule gone wrong), and the model "
+        "has no QK-layernorm."
+    )
+    evidence = (
+        "The largest attention logit (the attention signal's max) grows ten-fold within two "
+        "samples of the onset and keeps growing while the softmax saturates (Wortsman et al. "
+        "2023); the loss stays with the baseline's for several samples more, then falls behind "
+        "it and stays there (the attention sees one token)."
+    )
+    fix = (
+        "QK-layernorm: a parameter-free layer norm of each head's query and key before the "
+        "attention bounds the logits at the same learning rates."
+    )
+    panels = (
+        Panel("attn", "attention", "max", log_scale=True, tensor_path="sdpa[0]"),
+        Panel("training loop", LOSS, "mse", log_scale=True),
+    )
+    signals = (*DEFAULT_SIGNALS, "attention")
+    lr = 0.01
+    lr_factor: ClassVar[float] = 10.0
+    max_norm: ClassVar[float] = 1.0
+    min_steps = 100
+
+    def build_model(self, variant: Variant) -> nn.Module:
+        return FeatureTransformer(IN_FEATURES, qk_norm=variant == "fixed")
+
+    def selector(self) -> Selector | None:
+        return _attention_modules
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        qk = [p for n, p in model.named_parameters() if n.startswith(("attn.q.", "attn.k."))]
+        rest = [p for n, p in model.named_parameters() if not n.startswith(("attn.q.", "attn.k."))]
+        groups = [{"params": qk, "name": "qk"}, {"params": rest, "name": "rest"}]
+        return torch.optim.AdamW(groups, lr=self.lr, weight_decay=0.0)
+
+    def start_fault(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            if group["name"] == "qk":
+                group["lr"] = group["lr"] * self.lr_factor
+
+    def before_step(self, model: nn.Module, variant: Variant) -> None:
+        # every variant clips: what breaks the broken run is the logits, not a raw blow-up
+        nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)
+
+
 PROBLEMS: dict[str, Problem] = {
-    p.name: p for p in (InactiveRelu(), Saturation(), ScaleGrowth(), Nonfinite(), Detached())
+    p.name: p
+    for p in (
+        InactiveRelu(),
+        Saturation(),
+        ScaleGrowth(),
+        Nonfinite(),
+        Detached(),
+        AttentionLogits(),
+    )
 }
 """Every experiment by name, in the order the main job runs them."""

@@ -99,6 +99,7 @@ def run_variant(
         output_dir=output_dir,
         sampler=EveryNForwardsSampler(config.sample_every),
         signals=problem.signals,
+        selector=problem.selector(),
         sentinel=problem.sentinel and variant == "broken",
     )
     try:
