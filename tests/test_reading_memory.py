@@ -96,21 +96,43 @@ def _peak_mb(*args: str) -> float:
     return int(peak_kb) / 1024
 
 
+def _commands(root: Path, rows: int) -> dict[str, tuple[str, ...]]:
+    """Each reader's arguments on the run of ``rows`` rows under ``root`` (a killed copy is
+    consolidated afresh each time)."""
+    run, killed, copy = root / "run", root / "killed", root / "copy"
+    shutil.rmtree(killed, ignore_errors=True)
+    shutil.copytree(root / "parts", killed, copy_function=os.link)
+    return {
+        "summary": ("summary", str(run), "--csv"),
+        "compare": ("compare", str(run), str(copy), "--csv"),
+        "validate": ("validate", str(run)),
+        "report": ("report", str(run), "-o", str(root / f"{rows}.html"), "--no-progress"),
+        "consolidate": ("consolidate", str(killed), "--force", "--no-progress"),
+    }
+
+
 def test_readers_peak_memory_does_not_grow_with_the_history(tmp_path: Path) -> None:
-    peaks: dict[str, list[float]] = {}
+    roots = {}
     for rows in (ROWS, 2 * ROWS):
-        run, killed = _build(tmp_path / str(rows), rows)
-        copy = tmp_path / f"{rows}-copy"
-        shutil.copytree(run, copy, copy_function=os.link)
-        for name, args in {
-            "summary": ("summary", str(run), "--csv"),
-            "compare": ("compare", str(run), str(copy), "--csv"),
-            "validate": ("validate", str(run)),
-            "report": ("report", str(run), "-o", str(tmp_path / f"{rows}.html"), "--no-progress"),
-            "consolidate": ("consolidate", str(killed), "--force", "--no-progress"),
-        }.items():
-            peaks.setdefault(name, []).append(_peak_mb(*args))
-        shutil.rmtree(tmp_path / str(rows))
-        shutil.rmtree(copy)
+        root = tmp_path / str(rows)
+        run, killed = _build(root, rows)
+        killed.rename(root / "parts")
+        shutil.copytree(run, root / "copy", copy_function=os.link)
+        roots[rows] = root
+
+    def measure(name: str) -> list[float]:
+        return [_peak_mb(*_commands(root, rows)[name]) for rows, root in roots.items()]
+
+    peaks = {name: measure(name) for name in _commands(roots[ROWS], ROWS)}
+    # A process's peak RSS varies by a few tens of MB from run to run (allocator arenas and
+    # the order in which finalization's reader, digester and writer threads finish): a ratio
+    # over the bound is measured twice more and each length keeps its lowest peak, so growth
+    # with the history fails and a noisy sample does not.
+    for name in list(peaks):
+        for _ in range(2):
+            short, long = peaks[name]
+            if long / short <= BOUND:
+                break
+            peaks[name] = [min(pair) for pair in zip(peaks[name], measure(name), strict=True)]
     grown = {name: long / short for name, (short, long) in peaks.items()}
     assert all(ratio <= BOUND for ratio in grown.values()), (grown, peaks)

@@ -74,11 +74,11 @@ class Observer:
     ) -> None:
         self.run = run
         self.signals = frozenset(signals)
+        """The signals this observer records (``inject_observer(signals=)``)."""
         self._attention_layers: dict[int, int] | None = (
             {id(m): i for i, m in enumerate(modules)} if "attention" in self.signals else None
         )
         """id of each selected module -> its layer, when the attention signal is on."""
-        """The signals this observer records (``inject_observer(signals=)``)."""
         self._call_signals = call_signals(self.signals)
         """The call signals recorded (``input``: :mod:`ti_core.capture.signals`)."""
         self._errors = errors

@@ -200,6 +200,19 @@ def verify_parquet(path: Path) -> Verification:
     return Verification(path, int(metadata.num_rows), checksummed)
 
 
+def object_footer(filesystem: pafs.FileSystem, path: str, name: str) -> pq.FileMetaData:
+    """:func:`read_footer` for the object ``path`` of ``filesystem`` (``name``, its URI, names
+    it in errors): DamagedFileError when the footer cannot be read, FileNotFoundError when
+    there is no such object, OSError when the store cannot be read."""
+    with filesystem.open_input_file(path) as source:
+        try:
+            return pq.read_metadata(source)
+        except (pa.ArrowInvalid, pa.ArrowIOError) as exc:
+            if isinstance(exc, FileNotFoundError | PermissionError):
+                raise
+            raise DamagedFileError(name, _unreadable_footer(source, source.size(), exc)) from None
+
+
 def verify_object(
     filesystem: pafs.FileSystem, path: str, name: str, size: int | None = None
 ) -> Verification:

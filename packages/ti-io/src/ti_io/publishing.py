@@ -181,8 +181,8 @@ def remove_stale_temporaries(directory: Path) -> int:
     """Remove the temporaries that interrupted writes left in a run directory and in its parts
     directories (files, and parts directories renamed away to be retired); returns how many.
 
-    Only for a finalizer holding the run (``ti_io.finish.journal``): no writer of the run may be
-    running, or its temporary in flight would go.
+    Only for a finalizer holding the run (``ti_io.finish.finalization``): no writer of the run
+    may be running, or its temporary in flight would go.
     """
     removed = 0
     for folder in (

@@ -38,7 +38,8 @@ RUN_FILE: Final[str] = "run.json"
 JOURNAL_FILE: Final[str] = "finalization.json"
 """The finalization journal: present from the start of a finalization until it has finished,
 it records the last step completed so an interrupted finalization resumes instead of starting
-over. Its states and format are ti-io's (``ti_io.finish.journal``, docs/artifacts.md)."""
+over. Its format (``ti_io.finish.journal``) and states (``ti_io.finish.finalization``) are
+ti-io's (docs/artifacts.md)."""
 
 RUN_FILES: Final[tuple[str, ...]] = (
     HISTORY_FILE,

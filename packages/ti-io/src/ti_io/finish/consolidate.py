@@ -2,7 +2,7 @@
 
 Shared by ``DirectorySink.close`` and by ``consolidate`` (after a crash). The steps, and how
 an interrupted finalization resumes from the step it completed, are the journal's
-(:mod:`ti_io.finish.journal`); this module writes the final files from the parts. Memory stays
+(:mod:`ti_io.finish.finalization`); this module writes the final files from the parts. Memory stays
 bounded: parts are streamed a row group at a time into a ``ParquetWriter`` and aggregates come
 from the compact digest built while streaming (:mod:`ti_io.finish.digest`).
 """
@@ -24,41 +24,37 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ti_io.config import HistoryConfig
-from ti_io.damaged import SkippedPart, find_damaged_parts, read_skipped, set_aside
+from ti_io.damaged import SkippedPart
 from ti_io.encoding import arrow_footer_metadata, dictionary_columns, dictionary_schema
 from ti_io.errors import FinalizationBusyError, FinalizationError, NothingToConsolidateError
 from ti_io.facts import RunFacts, read_run_facts
 from ti_io.finish.digest import HistoryDigest
+from ti_io.finish.disk_store import DiskStore
 from ti_io.finish.events import write_events_file
+from ti_io.finish.finalization import Resumption, finalize_run, stopped
 from ti_io.finish.index_md import write_index
-from ti_io.finish.journal import Resumption, finalize_run, read_journal, stopped
-from ti_io.finish.object_journal import finalize_object_run, read_object_journal, stopped_on_store
+from ti_io.finish.object_store import ObjectStore
 from ti_io.finish.result_json import render, write_result_json
+from ti_io.finish.run_store import RunStore
 from ti_io.integrity import (
-    DamagedFileError,
     open_verified,
     parquet_rows,
     parquet_write_options,
     read_error,
-    verify_parquet,
 )
 from ti_io.progress import ProgressCallback
 from ti_io.publishing import publish_with
 from ti_io.read.events import event_records
-from ti_io.read.legacy_layout import check_not_legacy
-from ti_io.remote_run import part_paths
-from ti_io.storage import RunLocation, list_names, read_text, resolve_location
+from ti_io.read.legacy_layout import LegacyRunError
+from ti_io.storage import RunLocation, resolve_location
 from ti_schema import histogram_schema, history_schema
 from ti_schema.layout import (
     HISTOGRAM_PARTS,
     HISTOGRAMS_FILE,
     HISTORY_FILE,
     HISTORY_PARTS,
-    RANK_DIR_PATTERN,
     RESULT_FILE,
-    RUN_FILE,
     list_parts,
-    list_rank_dirs,
 )
 
 FINAL_COMPRESSION: Final[str] = "zstd"
@@ -200,8 +196,19 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
+def store_at(where: Path | RunLocation) -> RunStore:
+    """The :class:`~ti_io.finish.run_store.RunStore` of the run at ``where``: a local
+    directory (a path, or a ``RunLocation`` on the local filesystem) or an object-store
+    prefix."""
+    if isinstance(where, RunLocation):
+        if where.local_path is None:
+            return ObjectStore(where)
+        where = where.local_path
+    return DiskStore(where)
+
+
 def finalize(
-    directory: Path,
+    where: Path | RunLocation,
     facts: RunFacts | None = None,
     *,
     window: int | None = None,
@@ -209,38 +216,48 @@ def finalize(
     progress: ProgressCallback | None = None,
     skip_damaged: bool = False,
 ) -> Consolidated:
-    """Finalize ``directory``: write the final artifacts from its parts, then retire the parts,
-    resuming an interrupted finalization from the step its journal records
-    (:mod:`ti_io.finish.journal`).
+    """Finalize the run at ``where`` (a directory or an object-store location): write the
+    final artifacts from its parts, then retire the parts, resuming an interrupted
+    finalization from the step its journal records (:mod:`ti_io.finish.finalization`).
 
-    ``facts``: the run's (``DirectorySink`` knows them); None reads them from the directory
-    when the files must be written (``window`` overrides the run's). ``resumption``: the
-    command an error message names to finish the run. ``progress(done, total)`` is told each
-    part read while the files are written. ``skip_damaged``: verify every part first and move
-    the damaged ones into ``damaged/`` (:mod:`ti_io.damaged`) instead of stopping at them.
+    ``facts``: the run's (``DirectorySink`` knows them); None reads them from the run when the
+    files must be written (``window`` overrides the run's). ``resumption``: the command an
+    error message names to finish the run. ``progress(done, total)`` is told each part read
+    while the files are written. ``skip_damaged``: verify every part first and move the
+    damaged ones into ``damaged/`` (:mod:`ti_io.damaged`) instead of stopping at them.
     """
+    return _finalize(
+        store_at(where),
+        facts,
+        window=window,
+        resumption=resumption or Resumption(window=window, skip_damaged=skip_damaged),
+        progress=progress,
+        skip_damaged=skip_damaged,
+    )
 
-    def write_files() -> tuple[int, int]:
-        run = facts if facts is not None else read_run_facts(directory, window=window)
-        return _write_final_files(directory, run, progress)
 
-    def set_damaged_aside() -> None:
-        set_aside(directory, find_damaged_parts(directory))
+def _finalize(
+    store: RunStore,
+    facts: RunFacts | None,
+    *,
+    window: int | None,
+    resumption: Resumption,
+    progress: ProgressCallback | None,
+    skip_damaged: bool,
+) -> Consolidated:
+    def write_files(work: Path) -> tuple[int, int]:
+        run = facts if facts is not None else read_run_facts(work, window=window)
+        return _write_final_files(work, run, progress, shown=store.shown)
 
     with _collector_paused():
-        done = finalize_run(
-            directory,
-            write_files,
-            resumption or Resumption(window=window, skip_damaged=skip_damaged),
-            set_damaged_aside if skip_damaged else None,
-        )
+        done = finalize_run(store, write_files, resumption, skip_damaged=skip_damaged)
     return Consolidated(
-        directory,
+        store.where,
         done.history_rows,
         done.histogram_rows,
         done.parts,
         resumed_from=done.resumed_from.value if done.resumed_from is not None else None,
-        skipped=read_skipped(directory),
+        skipped=done.skipped,
     )
 
 
@@ -356,9 +373,9 @@ def consolidate(
 
     ``output_dir`` may be an object-store URI (``s3://bucket/prefix/run``) or a path in
     ``filesystem`` (a pyarrow or fsspec filesystem; :func:`ti_io.storage.resolve_location`):
-    the same steps run over objects (:mod:`ti_io.finish.object_journal`).
+    the same steps run over objects (:mod:`ti_io.finish.object_store`).
     """
-    location = _on_store(output_dir, filesystem)
+    store = _store_of(output_dir, filesystem)
     if history_config is not None and not isinstance(history_config, HistoryConfig):
         raise TypeError(
             "consolidate(history_config=...) takes a ti_io.HistoryConfig, "
@@ -368,74 +385,91 @@ def consolidate(
         raise TypeError(f"consolidate(skip_damaged=...) takes True or False, got {skip_damaged!r}")
     window = history_config.window if history_config is not None else None
     resumption = Resumption(force=force, window=window, skip_damaged=skip_damaged)
-    if location is not None:
-        return _consolidate_on_store(location, window, force, resumption, progress)
-    directory = output_dir.local_path if isinstance(output_dir, RunLocation) else Path(output_dir)
-    assert directory is not None
-    if not directory.is_dir():
+    if not store.still_there():
         raise NothingToConsolidateError(
-            f"consolidate({str(directory)!r}): no such directory; pass the output_dir of a run"
+            f"consolidate({str(store.where)!r}): no such directory; pass the output_dir of a run"
         )
     try:
-        check_not_legacy(directory, "consolidated")
-        return _consolidate(directory, window, force, resumption, progress)
-    except (FinalizationError, FinalizationBusyError, NothingToConsolidateError, RuntimeError):
+        store.refuse_legacy()
+        return _consolidate(store, window, force, resumption, progress)
+    except (
+        FinalizationError,
+        FinalizationBusyError,
+        NothingToConsolidateError,
+        LegacyRunError,
+        RuntimeError,
+    ):
         raise
-    except OSError as exc:  # reading the run before finalizing started: nothing was changed
-        raise stopped(directory, "reading the run", exc, resumption) from exc
+    except (OSError, ValueError) as exc:  # reading the run before finalizing: nothing changed
+        raise stopped(store, "reading the run", exc, resumption) from exc
+
+
+def _store_of(
+    output_dir: str | os.PathLike[str] | RunLocation, filesystem: object | None
+) -> RunStore:
+    """The store of ``consolidate``'s run: a plain path stays a path (no URI parsing)."""
+    if isinstance(output_dir, RunLocation):
+        return store_at(output_dir)
+    if filesystem is None and not (isinstance(output_dir, str) and "://" in output_dir):
+        return DiskStore(Path(output_dir))
+    return store_at(resolve_location(output_dir, filesystem))
 
 
 def _consolidate(
-    directory: Path,
+    store: RunStore,
     window: int | None,
     force: bool,
     resumption: Resumption,
     progress: ProgressCallback | None = None,
 ) -> Consolidated:
+    where = store.where
     try:
-        journal = read_journal(directory)
+        journal = store.read_journal()
     except ValueError as exc:
         raise FinalizationError(
-            f"cannot resume the finalization of {directory}: {exc}. If {HISTORY_PARTS}/ and "
+            f"cannot resume the finalization of {where}: {exc}. If {HISTORY_PARTS}/ and "
             f"{HISTOGRAM_PARTS}/ are complete, delete it and run `ti consolidate` again.",
-            directory=str(directory),
+            directory=str(where),
             state=None,
             command=None,
         ) from None
-    has_parts = (directory / HISTORY_PARTS).is_dir() or (directory / HISTOGRAM_PARTS).is_dir()
-    if journal is None and not has_parts:
-        if (directory / HISTORY_FILE).is_file():
-            return _already_done(directory)
-        ranks = [child.name for _, child in list_rank_dirs(directory)]
+    if journal is None and not store.has_parts(HISTORY_PARTS, HISTOGRAM_PARTS):
+        done = store.finished()
+        if done is not None:
+            return Consolidated(
+                where,
+                done.history_rows,
+                done.histogram_rows,
+                0,
+                already_done=True,
+                skipped=done.skipped,
+            )
+        ranks = store.rank_names()
         if ranks:
             raise NothingToConsolidateError(
-                f"{directory} holds rank-private runs ({', '.join(ranks[:4])}"
-                f"{', ...' if len(ranks) > 4 else ''}); consolidate each rank directory, e.g. "
-                f"`ti consolidate {directory / ranks[0]}`"
+                f"{where} holds rank-private runs ({', '.join(ranks[:4])}"
+                f"{', ...' if len(ranks) > 4 else ''}); consolidate each rank "
+                f"{store.words.unit}, e.g. `ti consolidate {where / ranks[0]}`"
             )
         raise NothingToConsolidateError(
-            f"{directory} holds no TorchInstruments run to consolidate: neither "
+            f"{where} holds no TorchInstruments run to consolidate: neither "
             f"{HISTORY_PARTS}/ nor {HISTORY_FILE} is there"
         )
     if journal is None and not force:
         # Before a finalization starts, the parts may still be growing: refuse while the
         # writer lives. Once the journal exists its writer has stopped; the finalization lock
         # keeps finalizers apart.
-        facts = read_run_facts(directory)
-        if (
-            facts.pid is not None
-            and facts.pid != os.getpid()
-            and facts.host == socket.gethostname()
-            and _alive(facts.pid)
-        ):
+        pid, host = _writer(store.run_facts_text())
+        if pid is not None and pid != os.getpid() and host == socket.gethostname() and _alive(pid):
             raise RuntimeError(
-                f"{directory} is still being written by process {facts.pid} on this host; "
+                f"{where} is still being written by process {pid} on this host; "
                 "remove the observer in that process (it finalizes the run), or pass "
                 "force=True (`ti consolidate --force`) if that process is not the writer any "
                 "more"
             )
-    return finalize(
-        directory,
+    return _finalize(
+        store,
+        None,
         window=window,
         resumption=resumption,
         progress=progress,
@@ -443,146 +477,16 @@ def _consolidate(
     )
 
 
-def _on_store(
-    output_dir: str | os.PathLike[str] | RunLocation, filesystem: object | None
-) -> RunLocation | None:
-    """The location of a run on an object store; None for a local directory (whose code path
-    stays exactly the one it was)."""
-    if isinstance(output_dir, RunLocation):
-        return None if output_dir.is_local else output_dir
-    if filesystem is None and not (isinstance(output_dir, str) and "://" in output_dir):
-        return None
-    location = resolve_location(output_dir, filesystem)
-    return None if location.is_local else location
-
-
-def finalize_on_store(
-    location: RunLocation,
-    facts: RunFacts | None = None,
-    *,
-    window: int | None = None,
-    resumption: Resumption | None = None,
-    progress: ProgressCallback | None = None,
-    skip_damaged: bool = False,
-) -> Consolidated:
-    """:func:`finalize` for a run on an object store (:mod:`ti_io.finish.object_journal`)."""
-    with _collector_paused():
-        rows, hist_rows, parts, resumed, skipped = finalize_object_run(
-            location,
-            lambda staged, run, report, shown: _write_final_files(staged, run, report, shown=shown),
-            facts,
-            window=window,
-            resumption=resumption,
-            progress=progress,
-            skip_damaged=skip_damaged,
-        )
-    return Consolidated(
-        location,
-        rows,
-        hist_rows,
-        parts,
-        resumed_from=resumed.value if resumed is not None else None,
-        skipped=tuple(s for s in skipped if isinstance(s, SkippedPart)),
-    )
-
-
-def _consolidate_on_store(
-    location: RunLocation,
-    window: int | None,
-    force: bool,
-    resumption: Resumption,
-    progress: ProgressCallback | None,
-) -> Consolidated:
-    """``consolidate`` of a run on an object store: the checks of :func:`_consolidate` over
-    objects, then :func:`finalize_on_store`."""
+def _writer(run_json: str | None) -> tuple[int | None, str | None]:
+    """The process and host that run.json names as the run's writer (None: unknown)."""
     try:
-        try:
-            journal = read_object_journal(location)
-        except ValueError as exc:
-            raise FinalizationError(
-                f"cannot resume the finalization of {location}: {exc}. If {HISTORY_PARTS}/ and "
-                f"{HISTOGRAM_PARTS}/ are complete, delete it and run `ti consolidate` again.",
-                directory=str(location),
-                state=None,
-                command=None,
-            ) from None
-        has_parts = any(part_paths(location, name) for name in (HISTORY_PARTS, HISTOGRAM_PARTS))
-        if journal is None and not has_parts:
-            rows = _footer_rows(location / HISTORY_FILE)
-            if rows is not None:
-                return Consolidated(
-                    location,
-                    rows,
-                    _footer_rows(location / HISTOGRAMS_FILE) or 0,
-                    0,
-                    already_done=True,
-                )
-            ranks = [n for n in list_names(location) if RANK_DIR_PATTERN.fullmatch(n)]
-            if ranks:
-                raise NothingToConsolidateError(
-                    f"{location} holds rank-private runs ({', '.join(ranks[:4])}"
-                    f"{', ...' if len(ranks) > 4 else ''}); consolidate each rank prefix, e.g. "
-                    f"`ti consolidate {location / ranks[0]}`"
-                )
-            raise NothingToConsolidateError(
-                f"{location} holds no TorchInstruments run to consolidate: neither "
-                f"{HISTORY_PARTS}/ nor {HISTORY_FILE} is there"
-            )
-        if journal is None and not force:
-            doc = json.loads(read_text(location / HISTORY_PARTS / RUN_FILE) or "{}")
-            pid = doc.get("pid") if isinstance(doc, dict) else None
-            host = doc.get("host") if isinstance(doc, dict) else None
-            if (
-                isinstance(pid, int)
-                and pid != os.getpid()
-                and host == socket.gethostname()
-                and _alive(pid)
-            ):
-                raise RuntimeError(
-                    f"{location} is still being written by process {pid} on this host; "
-                    "remove the observer in that process (it finalizes the run), or pass "
-                    "force=True (`ti consolidate --force`) if that process is not the writer "
-                    "any more"
-                )
-    except (FinalizationError, NothingToConsolidateError, RuntimeError):
-        raise
-    except (OSError, ValueError) as exc:  # reading the run before finalizing: nothing changed
-        raise stopped_on_store(location, "reading the run", exc, resumption) from exc
-    return finalize_on_store(
-        location,
-        window=window,
-        resumption=resumption,
-        progress=progress,
-        skip_damaged=resumption.skip_damaged,
-    )
-
-
-def _footer_rows(location: RunLocation) -> int | None:
-    try:
-        with location.filesystem.open_input_file(location.path) as source:
-            return int(pq.read_metadata(source).num_rows)
-    except FileNotFoundError:
-        return None
-
-
-def _already_done(directory: Path) -> Consolidated:
-    """A finalized run: its final files verified (every page), their rows."""
-    finals = [directory / HISTORY_FILE, directory / HISTOGRAMS_FILE]
-    try:
-        for final in finals:
-            if final.is_file():
-                verify_parquet(final)
-    except DamagedFileError as exc:
-        raise FinalizationError(
-            f"{directory} is finalized, but {exc}. Its parts were retired after "
-            "finalization, so nothing in the run can rebuild it; nothing was changed. "
-            "Restore the file from a copy of the run if one exists.",
-            directory=str(directory),
-            state=None,
-            command=None,
-        ) from None
-    rows = parquet_rows(finals[0])
-    hist_rows = parquet_rows(finals[1]) if finals[1].is_file() else 0
-    return Consolidated(
-        directory, rows, hist_rows, 0, already_done=True, skipped=read_skipped(directory)
+        doc = json.loads(run_json or "{}")
+    except ValueError:
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    pid, host = doc.get("pid"), doc.get("host")
+    return (
+        pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+        host if isinstance(host, str) else None,
     )

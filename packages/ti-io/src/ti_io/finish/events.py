@@ -1,7 +1,7 @@
 """events.parquet: the run's ``ti.events`` parts as one file (finalization).
 
 Written by the finalization step that writes the other final files (the journal's ``writing``,
-:mod:`ti_io.finish.journal`), before result.json and index.md, which list the events. Always
+:mod:`ti_io.finish.finalization`), before result.json and index.md, which list the events. Always
 written: a run without events gets an empty table, not a missing file. Events are few, so the
 parts are read whole (every page verified) and written as one zstd row group with page
 checksums (:func:`ti_io.integrity.parquet_write_options`), published atomically.

@@ -24,8 +24,8 @@ import pyarrow as pa
 from ti_io.config import OBJECT_STORE_BUFFER_ROWS, OBJECT_STORE_FLUSH_SECONDS, HistoryConfig
 from ti_io.errors import ArtifactWriteError, FinalizationError
 from ti_io.facts import RunFacts, write_run_file
+from ti_io.finish.finalization import Resumption
 from ti_io.finish.index_md import write_index
-from ti_io.finish.journal import Resumption
 from ti_io.finish.result_json import render, write_result_json
 from ti_io.publishing import present_artifacts, remove_run_artifacts
 from ti_io.remote_run import present_objects, remove_run_objects
@@ -435,33 +435,23 @@ class DirectorySink:
         finally:
             failures += writer.take_errors()
         assert self._facts is not None
+        where: Path | RunLocation
         if self._location is not None:
-            self._close_on_store(self._location, self._facts, failures)
-            return
-        assert self._directory is not None
+            where = self._location
+        else:
+            assert self._directory is not None
+            where = self._directory
         try:
             # Finalization reads with Polars: imported here, so that writing parts never does.
             from ti_io.finish.consolidate import finalize
 
             # This process wrote run.json and is alive: until the journal exists, a later
             # `ti consolidate` from elsewhere needs --force (the error message says so).
-            finalize(self._directory, self._facts, resumption=Resumption(force=True))
+            finalize(where, self._facts, resumption=Resumption(force=True))
         except Exception as exc:
-            failures.append(WriteFailure(self._directory, exc, 0, "final artifacts"))
+            failures.append(WriteFailure(where, exc, 0, "final artifacts"))
         if failures:
-            raise _report(self._directory, failures)
-
-    def _close_on_store(
-        self, location: RunLocation, facts: RunFacts, failures: list[WriteFailure]
-    ) -> None:
-        try:
-            from ti_io.finish.consolidate import finalize_on_store
-
-            finalize_on_store(location, facts, resumption=Resumption(force=True))
-        except Exception as exc:
-            failures.append(WriteFailure(location, exc, 0, "final artifacts"))
-        if failures:
-            raise _report(location, failures)
+            raise _report(where, failures)
 
     # -- internals -------------------------------------------------------------------------
 
