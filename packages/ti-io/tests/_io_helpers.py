@@ -154,6 +154,17 @@ Series = Mapping[tuple[str, str, str], Sequence[float | object | None]]
 """(layer, signal, metric) -> the value at each sample id (None: a row with a null value)."""
 
 
+def interrupted_run(out: Path, s: Synth, samples: int = 5) -> Path:
+    """A run whose process died after publishing every row as parts (no finalization)."""
+    sink = DirectorySink(out, history_config=HistoryConfig(buffer_rows=30))
+    sink.open(s.run)
+    for i in range(samples):
+        sink.write_history(s.history(i))
+        sink.write_histograms(s.histograms(i))
+    sink._flush_at_exit()  # the interpreter-exit path: parts published, nothing finalized
+    return out
+
+
 def write_run(
     directory: Path,
     series: Series,

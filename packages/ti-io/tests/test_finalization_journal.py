@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from _io_helpers import Synth
+from _io_helpers import Synth, interrupted_run
 
-from ti_io import DirectorySink, HistoryConfig, consolidate
+from ti_io import consolidate
 from ti_io.cli import main
 from ti_io.errors import FinalizationBusyError, FinalizationError, ShrinkRefusedError
 from ti_io.facts import read_run_facts
@@ -29,17 +29,6 @@ from ti_schema.artifacts import artifact_dir_problems
 from ti_schema.layout import HISTOGRAM_PARTS, HISTORY_PARTS, JOURNAL_FILE, part_name
 
 FINAL = ("history.parquet", "histograms.parquet", "result.json", "index.md")
-
-
-def _interrupted(out: Path, s: Synth, samples: int = 5) -> Path:
-    """A run whose process died after publishing every row as parts (no finalization)."""
-    sink = DirectorySink(out, history_config=HistoryConfig(buffer_rows=30))
-    sink.open(s.run)
-    for i in range(samples):
-        sink.write_history(s.history(i))
-        sink.write_histograms(s.histograms(i))
-    sink._flush_at_exit()  # the interpreter-exit path: parts published, nothing finalized
-    return out
 
 
 def _reference(run: Path, where: Path) -> dict[str, bytes | object]:
@@ -85,7 +74,7 @@ def test_the_issue_state_finishes_without_touching_the_history(
     # ti-io before the journal: the final files written, history.parts/ retired, then the
     # process died before retiring histograms.parts/. `ti consolidate` then rebuilt the history
     # from zero parts ("consolidated 51 parts into 0 history rows"): the bug this test pins.
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     want = _reference(run, tmp_path / "reference")
     _write_final_files(run, read_run_facts(run))
     shutil.rmtree(_retire(run, HISTORY_PARTS))
@@ -102,7 +91,7 @@ def test_a_finished_history_is_never_replaced_by_a_smaller_one(
     tmp_path: Path, synth: Callable[..., Synth], capsys: pytest.CaptureFixture[str]
 ) -> None:
     s = synth()
-    run = _interrupted(tmp_path / "run", s)
+    run = interrupted_run(tmp_path / "run", s)
     consolidate(run)
     history = (run / "history.parquet").read_bytes()
     rows = pq.read_metadata(run / "history.parquet").num_rows
@@ -125,7 +114,7 @@ def test_a_finished_history_is_never_replaced_by_a_smaller_one(
 def test_resume_from_writing_rewrites_every_file_from_the_parts(
     tmp_path: Path, synth: Callable[..., Synth], written: int
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth(empty_every=2))
+    run = interrupted_run(tmp_path / "run", synth(empty_every=2))
     want = _reference(run, tmp_path / "reference")
     live = {name: (run / name).read_bytes() for name in ("result.json", "index.md")}
     _journal(run, FinalizationState.WRITING)
@@ -146,7 +135,7 @@ def test_resume_from_writing_rewrites_every_file_from_the_parts(
 def test_resume_from_written_retires_what_is_left(
     tmp_path: Path, synth: Callable[..., Synth]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     want = _reference(run, tmp_path / "reference")
     rows = _write_final_files(run, read_run_facts(run))
     _journal(run, FinalizationState.WRITTEN, rows)
@@ -162,7 +151,7 @@ def test_resume_from_written_retires_what_is_left(
 def test_a_final_file_changed_since_it_was_written_stops_the_retirement(
     tmp_path: Path, synth: Callable[..., Synth]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     rows = _write_final_files(run, read_run_facts(run))
     _journal(run, FinalizationState.WRITTEN, rows)
     history = pq.read_table(run / "history.parquet")
@@ -178,7 +167,7 @@ def test_a_final_file_changed_since_it_was_written_stops_the_retirement(
 def test_a_journal_that_cannot_be_read_is_reported_not_guessed(
     tmp_path: Path, synth: Callable[..., Synth], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     (run / JOURNAL_FILE).write_text('{"format": "ti.finalization", "version": 1, "state": "?"}')
     with pytest.raises(FinalizationError, match="unknown state '\\?'"):
         consolidate(run)
@@ -193,7 +182,7 @@ def test_a_journal_that_cannot_be_read_is_reported_not_guessed(
 def test_ti_validate_accepts_an_interrupted_finalization_and_says_how_to_finish_it(
     tmp_path: Path, synth: Callable[..., Synth], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     _journal(run, FinalizationState.WRITING)
     assert main(["validate", str(run)]) == 0
     captured = capsys.readouterr()
@@ -205,7 +194,7 @@ def test_ti_validate_accepts_an_interrupted_finalization_and_says_how_to_finish_
 
 
 def test_one_finalizer_at_a_time(tmp_path: Path, synth: Callable[..., Synth]) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     _journal(run, FinalizationState.WRITING)
     fd = os.open(run, os.O_RDONLY)
     try:
@@ -225,7 +214,7 @@ def test_a_journal_means_the_writer_has_stopped(
     # writer already finished writing parts and began finalizing: resuming needs no --force.
     import json
 
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     run_file = run / HISTORY_PARTS / "run.json"
     doc = json.loads(run_file.read_text())
     doc["pid"] = os.getppid()

@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from _io_helpers import Synth
+from _io_helpers import Synth, interrupted_run
 from s3_server import S3Store
 
-from ti_io import Consolidated, DirectorySink, HistoryConfig, consolidate
+from ti_io import Consolidated, consolidate
 from ti_io.errors import DamagedPartsError, FinalizationError, ShrinkRefusedError
 from ti_io.facts import read_run_facts
 from ti_io.finish.consolidate import _write_final_files
@@ -86,17 +86,6 @@ class Placed:
         return None if text is None else Journal.from_json(text.decode(), Path(JOURNAL_FILE))
 
 
-def _interrupted(out: Path, s: Synth, samples: int = 5) -> Path:
-    """A run whose process died after publishing every row as parts (no finalization)."""
-    sink = DirectorySink(out, history_config=HistoryConfig(buffer_rows=30))
-    sink.open(s.run)
-    for i in range(samples):
-        sink.write_history(s.history(i))
-        sink.write_histograms(s.histograms(i))
-    sink._flush_at_exit()  # the interpreter-exit path: parts published, nothing finalized
-    return out
-
-
 @pytest.fixture(params=STORES)
 def place(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[Path], Placed]:
     """Put a run built in a local directory where the test's store keeps it."""
@@ -146,7 +135,7 @@ def _journal(run: Path, state: FinalizationState, rows: tuple[int, int] | None =
 def test_an_interrupted_run_finalizes_to_the_same_files(
     tmp_path: Path, synth: Callable[..., Synth], place: Callable[[Path], Placed]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     reference = _reference(run, tmp_path / "reference")
     placed = place(run)
     done = consolidate(placed.target)
@@ -164,7 +153,7 @@ def test_resume_from_writing(
     place: Callable[[Path], Placed],
     written: int,
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth(empty_every=2))
+    run = interrupted_run(tmp_path / "run", synth(empty_every=2))
     reference = _reference(run, tmp_path / "reference")
     _journal(run, FinalizationState.WRITING)
     live = {name: (run / name).read_bytes() for name in ("result.json", "index.md")}
@@ -182,7 +171,7 @@ def test_resume_from_writing(
 def test_resume_from_written_deletes_what_is_left(
     tmp_path: Path, synth: Callable[..., Synth], place: Callable[[Path], Placed]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     reference = _reference(run, tmp_path / "reference")
     rows = _write_final_files(run, read_run_facts(run))
     _journal(run, FinalizationState.WRITTEN, rows)
@@ -198,7 +187,7 @@ def test_resume_from_written_deletes_what_is_left(
 def test_a_final_file_changed_since_it_was_written_stops_the_retirement(
     tmp_path: Path, synth: Callable[..., Synth], place: Callable[[Path], Placed]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     rows = _write_final_files(run, read_run_facts(run))
     _journal(run, FinalizationState.WRITTEN, rows)
     pq.write_table(pq.read_table(run / "history.parquet").slice(0, 5), run / "history.parquet")
@@ -215,7 +204,7 @@ def test_a_final_file_changed_since_it_was_written_stops_the_retirement(
 def test_a_finished_history_is_never_replaced_by_a_smaller_one(
     tmp_path: Path, synth: Callable[..., Synth], place: Callable[[Path], Placed]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     consolidate(run)
     rows = pq.read_metadata(run / "history.parquet").num_rows
     (run / HISTORY_PARTS).mkdir()  # parts reappear, holding less than the finished file
@@ -234,7 +223,7 @@ def test_a_finished_history_is_never_replaced_by_a_smaller_one(
 def test_a_journal_that_cannot_be_read_is_reported_not_guessed(
     tmp_path: Path, synth: Callable[..., Synth], place: Callable[[Path], Placed]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     (run / JOURNAL_FILE).write_text('{"format": "ti.finalization", "version": 1, "state": "?"}')
     placed = place(run)
     with pytest.raises(FinalizationError, match="unknown state '\\?'") as caught:
@@ -246,7 +235,7 @@ def test_a_journal_that_cannot_be_read_is_reported_not_guessed(
 def test_a_damaged_part_stops_then_is_set_aside(
     tmp_path: Path, synth: Callable[..., Synth], place: Callable[[Path], Placed]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     damaged = list_parts(run / HISTORY_PARTS)[1]
     lost = pq.read_metadata(damaged).num_rows
     whole = sum(pq.read_metadata(p).num_rows for p in list_parts(run / HISTORY_PARTS))
@@ -274,7 +263,7 @@ def test_a_damaged_part_stops_then_is_set_aside(
 def test_a_damaged_final_file_of_a_finalized_run_is_reported_not_rebuilt(
     tmp_path: Path, synth: Callable[..., Synth], place: Callable[[Path], Placed]
 ) -> None:
-    run = _interrupted(tmp_path / "run", synth())
+    run = interrupted_run(tmp_path / "run", synth())
     consolidate(run)
     placed = place(run)
     data = placed.read("history.parquet")

@@ -72,11 +72,20 @@ def find_damaged_parts(directory: Path) -> list[SkippedPart]:
 def read_skipped(directory: Path) -> tuple[SkippedPart, ...]:
     """The parts a consolidation of ``directory`` skipped as damaged (empty: none). A record
     that cannot be parsed is reported as one entry saying so, never as no gap."""
-    path = directory / DAMAGED_DIR / SKIPPED_FILE
     if not (directory / DAMAGED_DIR).is_dir():
         return ()
     try:
-        doc: Any = json.loads(path.read_text(encoding="utf-8"))
+        data = (directory / DAMAGED_DIR / SKIPPED_FILE).read_bytes()
+    except FileNotFoundError:
+        return ()
+    return parse_skipped(data)
+
+
+def parse_skipped(data: bytes) -> tuple[SkippedPart, ...]:
+    """The parts the record ``damaged/skipped.json`` (its bytes, wherever it is stored)
+    names; a record that cannot be parsed is one entry saying so, never no gap."""
+    try:
+        doc: Any = json.loads(data.decode("utf-8"))
         entries = doc["skipped"] if doc.get("format") == _FORMAT else None
         if not isinstance(entries, list):
             raise ValueError("no list of skipped parts")
@@ -89,8 +98,6 @@ def read_skipped(directory: Path) -> tuple[SkippedPart, ...]:
             )
             for entry in entries
         )
-    except FileNotFoundError:
-        return ()
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return (
             SkippedPart(
@@ -155,6 +162,7 @@ __all__ = [
     "SkippedPart",
     "find_damaged_parts",
     "gap_lines",
+    "parse_skipped",
     "parts_dirs",
     "read_skipped",
     "set_aside",

@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from ti_io.damaged import DAMAGED_DIR, SKIPPED_FILE, SkippedPart, find_damaged_parts, read_skipped
+from ti_io.damaged import DAMAGED_DIR, SKIPPED_FILE, SkippedPart, find_damaged_parts, parse_skipped
 from ti_io.damaged import set_aside as set_aside_locally
 from ti_io.finish.journal import Journal
 from ti_io.finish.run_store import FinishedRun, StoreWords, damaged_final
@@ -155,13 +155,7 @@ class ObjectStore:
 
     def recorded_skipped(self) -> tuple[SkippedPart, ...]:
         data = read_bytes(self.location / DAMAGED_DIR / SKIPPED_FILE)
-        if data is None:
-            return ()
-        with tempfile.TemporaryDirectory(prefix=".ti-skipped-") as tmp:
-            record = Path(tmp) / DAMAGED_DIR / SKIPPED_FILE
-            record.parent.mkdir()
-            record.write_bytes(data)  # read_skipped reports a record it cannot parse
-            return read_skipped(Path(tmp))
+        return () if data is None else parse_skipped(data)
 
     def finished(self) -> FinishedRun | None:
         """Its final objects verified (every page, :func:`ti_io.integrity.verify_object`),
@@ -196,4 +190,4 @@ class ObjectStore:
             name = Path(path).relative_to(self._work).as_posix()
         except ValueError:  # already the object's URI (a final file read from the store)
             return str(path), False
-        return f"{self.location}/{PurePosixPath(name).as_posix()}", name.startswith(_PARTS_PREFIXES)
+        return f"{self.location}/{name}", name.startswith(_PARTS_PREFIXES)
